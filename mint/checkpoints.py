@@ -1,0 +1,107 @@
+"""Checkpoint folders: written atomically, verified on load, named by content.
+
+A checkpoint is a folder of files plus ``manifest.json``, written last, that lists
+every file with its size and sha256. The folder is assembled under a temporary
+name and renamed into place, so a reader sees either nothing or a complete
+checkpoint; a truncated or edited file is caught by the manifest on load.
+The adapter files follow peft's layout, so ``PeftModel.from_pretrained`` reads them too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+MANIFEST = "manifest.json"
+FORMAT = "mintflow-checkpoint/1"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint path that is missing, incomplete or corrupted."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(path: str | Path, write_files: Callable[[Path], None], meta: dict[str, Any]) -> Path:
+    """Write a checkpoint folder at ``path`` atomically; an existing one is replaced whole."""
+    path = Path(path).expanduser().absolute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        write_files(tmp)
+        files = {}
+        for file in sorted(tmp.iterdir()):
+            with open(file, "rb+") as f:
+                os.fsync(f.fileno())
+            files[file.name] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+        manifest = {"format": FORMAT, **meta, "files": files}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        with open(tmp / MANIFEST, "rb+") as f:
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            path.rename(old / "ckpt")
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def read_manifest(path: str | Path, verify: bool = True) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; raises CheckpointError naming what is wrong."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint path {str(path)!r} does not exist (expected a folder from save_state)")
+    manifest_file = path / MANIFEST
+    if not manifest_file.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} has no {MANIFEST}: it was never completed")
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST} is corrupted ({e})") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {str(path)!r}: unknown format {manifest.get('format')!r}")
+    if verify:
+        for name, expected in manifest["files"].items():
+            file = path / name
+            if not file.is_file():
+                raise CheckpointError(f"checkpoint {str(path)!r}: file {name} is missing")
+            size = file.stat().st_size
+            if size != expected["bytes"]:
+                raise CheckpointError(
+                    f"checkpoint {str(path)!r}: file {name} is truncated or changed "
+                    f"({size} bytes, manifest says {expected['bytes']})")
+            if _sha256(file) != expected["sha256"]:
+                raise CheckpointError(f"checkpoint {str(path)!r}: file {name} does not match its sha256")
+    return manifest
+
+
+def checkpoint_digest(path: str | Path) -> str:
+    """A content hash of a checkpoint (the hash of its manifest's file list), for cache keys."""
+    manifest = read_manifest(path, verify=False)
+    return hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()

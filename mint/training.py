@@ -1,0 +1,351 @@
+"""TrainingClient: a LoRA adapter on a shared base model, trained with MinT's loss API.
+
+Requests run on one worker thread per client, in submission order, so a script may
+queue ``forward_backward`` and ``optim_step`` and wait only for what it needs.
+Requests are validated in the caller's thread before they are queued: a malformed
+batch raises at the call, naming the field, and never touches weights, gradients
+or optimizer state.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from mint import lora
+from mint.checkpoints import CheckpointError, read_manifest, write_checkpoint
+from mint.futures import APIFuture
+from mint.losses import resolve_loss
+from mint.models import BaseModel
+from mint.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    GetInfoResponse,
+    LoadWeightsResponse,
+    OptimStepResponse,
+    SaveWeightsResponse,
+    TensorData,
+)
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+OPTIMIZER_STATE = "optimizer.pt"
+KNOWN_INPUTS = ("target_tokens", "weights", "logprobs", "advantages")
+
+CustomLossFn = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+
+
+class Batch:
+    """A validated list of datums as padded tensors plus the flat index of every real position."""
+
+    def __init__(self, data: Sequence[Datum], vocab_size: int, required: Sequence[str]):
+        if not isinstance(data, (list, tuple)) or len(data) == 0:
+            raise ValueError("data: expected a non-empty list of types.Datum")
+        lengths, inputs = [], {}
+        for i, datum in enumerate(data):
+            if not isinstance(datum, Datum):
+                raise TypeError(f"data[{i}]: expected types.Datum, got {type(datum).__name__}")
+            n = datum.model_input.length
+            if n == 0:
+                raise ValueError(f"data[{i}].model_input: empty (a datum needs at least one token)")
+            for name in required:
+                if name not in datum.loss_fn_inputs:
+                    raise ValueError(f"data[{i}].loss_fn_inputs: missing {name!r}, which this loss needs")
+            for name, value in datum.loss_fn_inputs.items():
+                if name not in KNOWN_INPUTS:
+                    raise ValueError(f"data[{i}].loss_fn_inputs: unknown input {name!r}; known: {list(KNOWN_INPUTS)}")
+                array = value.to_numpy()
+                if array.ndim != 1 or array.shape[0] != n:
+                    raise ValueError(f"data[{i}].loss_fn_inputs[{name!r}]: shape {list(array.shape)}, expected "
+                                     f"[{n}] (model_input.length)")
+                inputs.setdefault(name, []).append(torch.from_numpy(array))
+            lengths.append(n)
+        present = set(inputs)
+        for name in present:
+            if len(inputs[name]) != len(data):
+                raise ValueError(f"loss_fn_inputs[{name!r}]: given for some datums but not all")
+        self.data = list(data)
+        self.lengths = lengths
+        tokens = [torch.tensor(d.model_input.to_ints(), dtype=torch.long) for d in data]
+        self.flat_tokens = torch.cat(tokens)
+        self.flat_inputs = {name: torch.cat(values) for name, values in inputs.items()}
+        for name, value in [("model_input", self.flat_tokens)] + [
+                (n, v) for n, v in self.flat_inputs.items() if n == "target_tokens"]:
+            bad = (value < 0) | (value >= vocab_size)
+            if bad.any():
+                raise ValueError(f"{name}: token id {int(value[bad][0])} is outside the vocabulary [0, {vocab_size})")
+        for name, value in self.flat_inputs.items():
+            if name != "target_tokens" and not torch.isfinite(value).all():
+                raise ValueError(f"loss_fn_inputs[{name!r}]: contains NaN or infinite values")
+        self.max_len = max(lengths)
+        self.input_ids = torch.zeros(len(data), self.max_len, dtype=torch.long)
+        self.attention_mask = torch.zeros(len(data), self.max_len, dtype=torch.long)
+        for i, t in enumerate(tokens):
+            self.input_ids[i, : len(t)] = t
+            self.attention_mask[i, : len(t)] = 1
+        # Row-major positions of real tokens in the padded [B, T] grid, matching the flat inputs.
+        self.flat_positions = self.attention_mask.reshape(-1).nonzero().squeeze(-1)
+
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return list(torch.split(flat, self.lengths))
+
+
+class TrainingClient:
+    """A LoRA training session (``service.create_lora_training_client``)."""
+
+    def __init__(self, base: BaseModel, rank: int, seed: int | None, train_mlp: bool, train_attn: bool,
+                 train_unembed: bool, checkpoint_dir: Path, lora_alpha: int = lora.DEFAULT_LORA_ALPHA,
+                 service: Any = None):
+        self.base = base
+        self.rank = rank
+        self.seed = seed
+        self._service = service
+        self._checkpoint_dir = Path(checkpoint_dir)
+        self._lora_config = lora.lora_config(base, rank, lora_alpha, train_mlp, train_attn, train_unembed)
+        self.adapter = lora.add_adapter(base, self._lora_config, "train", seed)
+        self._params = lora.adapter_parameters(base, self.adapter)
+        self._optimizer: torch.optim.Optimizer | None = None
+        self.step = 0
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mint-train")
+        weakref.finalize(self, _release, self._executor, base, self.adapter)
+
+    # ---------------------------------------------------------------- requests
+    def _submit(self, fn: Callable, *args) -> APIFuture:
+        return APIFuture(self._executor.submit(fn, *args))
+
+    def forward_backward(self, data: Sequence[Datum], loss_fn: str,
+                         loss_fn_config: Mapping[str, float] | None = None) -> APIFuture[ForwardBackwardOutput]:
+        """Forward, loss, backward; gradients accumulate until ``optim_step``."""
+        spec, config = resolve_loss(loss_fn, loss_fn_config)
+        batch = Batch(data, self.base.vocab_size, spec.required_inputs)
+        return self._submit(self._run_loss, batch, spec.fn, config, True)
+
+    def forward(self, data: Sequence[Datum], loss_fn: str,
+                loss_fn_config: Mapping[str, float] | None = None) -> APIFuture[ForwardBackwardOutput]:
+        """The same outputs and metrics as ``forward_backward``, without gradients."""
+        spec, config = resolve_loss(loss_fn, loss_fn_config)
+        batch = Batch(data, self.base.vocab_size, spec.required_inputs)
+        return self._submit(self._run_loss, batch, spec.fn, config, False)
+
+    def forward_backward_custom(self, data: Sequence[Datum], loss_fn: CustomLossFn) -> APIFuture[ForwardBackwardOutput]:
+        """Any differentiable ``loss_fn(data, logprobs_list) -> (loss, metrics)`` on per-token target logprobs."""
+        if not callable(loss_fn):
+            raise TypeError("loss_fn: expected a callable (data, logprobs_list) -> (loss, metrics)")
+        batch = Batch(data, self.base.vocab_size, ("target_tokens",))
+        return self._submit(self._run_custom, batch, loss_fn)
+
+    def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
+        """One AdamW step on the accumulated gradients (clipped if ``grad_clip_norm`` > 0), then zero them."""
+        if not isinstance(adam_params, AdamParams):
+            raise TypeError(f"adam_params: expected types.AdamParams, got {type(adam_params).__name__}")
+        return self._submit(self._run_optim_step, adam_params)
+
+    def save_state(self, name: str) -> APIFuture[SaveWeightsResponse]:
+        """Save LoRA weights and optimizer state; ``.result().path`` loads in any process."""
+        path = self._checkpoint_path(name)
+        return self._submit(self._run_save, path, True)
+
+    def save_weights_for_sampler(self, name: str) -> APIFuture[SaveWeightsResponse]:
+        """Save LoRA weights only, for ``create_sampling_client(model_path=...)``."""
+        path = self._checkpoint_path(name)
+        return self._submit(self._run_save, path, False)
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: Any = None):
+        """Save the current weights and return a SamplingClient on them (a snapshot: later training does not
+        change it)."""
+        path = self.save_weights_for_sampler(name or f"sampler-step-{self.step:06d}").result().path
+        return self._service.create_sampling_client(base_model=self.base.name, model_path=path)
+
+    def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        """Load LoRA weights from a checkpoint; the optimizer starts fresh."""
+        manifest = self._check_checkpoint(path)
+        return self._submit(self._run_load, Path(path), manifest, False)
+
+    def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        """Load LoRA weights and optimizer state: training continues exactly where it was saved."""
+        manifest = self._check_checkpoint(path)
+        if OPTIMIZER_STATE not in manifest["files"]:
+            raise CheckpointError(f"checkpoint {path!r} holds sampler weights only (no optimizer state); "
+                                  "use load_state, or a path from save_state")
+        return self._submit(self._run_load, Path(path), manifest, True)
+
+    def get_tokenizer(self):
+        return self.base.tokenizer
+
+    def get_info(self) -> GetInfoResponse:
+        config = self.base.model.config
+        return GetInfoResponse(model_name=self.base.name, lora_rank=self.rank, model_data={
+            "arch": config.model_type, "dtype": str(self.base.dtype).removeprefix("torch."),
+            "device": str(self.base.device), "vocab_size": self.base.vocab_size,
+            "weights": self.base.weights, "target_modules": sorted(self._lora_config.target_modules),
+            "lora_alpha": self._lora_config.lora_alpha, "step": self.step})
+
+    # -------------------------------------------------------- async twins
+    async def forward_backward_async(self, data, loss_fn, loss_fn_config=None):
+        return self.forward_backward(data, loss_fn, loss_fn_config)
+
+    async def forward_async(self, data, loss_fn, loss_fn_config=None):
+        return self.forward(data, loss_fn, loss_fn_config)
+
+    async def forward_backward_custom_async(self, data, loss_fn):
+        return self.forward_backward_custom(data, loss_fn)
+
+    async def optim_step_async(self, adam_params):
+        return self.optim_step(adam_params)
+
+    async def save_state_async(self, name):
+        return self.save_state(name)
+
+    async def save_weights_for_sampler_async(self, name):
+        return self.save_weights_for_sampler(name)
+
+    async def load_state_async(self, path):
+        return self.load_state(path)
+
+    async def load_state_with_optimizer_async(self, path):
+        return self.load_state_with_optimizer(path)
+
+    async def save_weights_and_get_sampling_client_async(self, name=None, retry_config=None):
+        import asyncio
+
+        return await asyncio.to_thread(self.save_weights_and_get_sampling_client, name)
+
+    # ------------------------------------------------------------- work
+    def _target_logprobs(self, batch: Batch, grad_mask: torch.Tensor | None) -> torch.Tensor:
+        """Learner logprobs of ``target_tokens`` at every real position, flat in datum order.
+
+        Only positions in ``grad_mask`` (weight != 0) keep a graph through the unembedding:
+        the prompt's logprobs are reported but cost no backward through the 49k-way head.
+        """
+        targets = batch.flat_inputs["target_tokens"].to(self.base.device)
+        with lora.active(self.base, self.adapter) as model:
+            for p in self._params:
+                p.requires_grad_(True)
+            body, head = lora.decoder_and_head(model)
+            hidden = body(input_ids=batch.input_ids.to(self.base.device),
+                          attention_mask=batch.attention_mask.to(self.base.device)).last_hidden_state
+            hidden = hidden.reshape(-1, hidden.shape[-1])[batch.flat_positions.to(self.base.device)]
+            if grad_mask is None or not torch.is_grad_enabled():
+                return lora.token_logprobs(head, hidden, targets)
+            grad_idx = grad_mask.nonzero().squeeze(-1).to(self.base.device)
+            rest_idx = (~grad_mask).nonzero().squeeze(-1).to(self.base.device)
+            with torch.no_grad():
+                rest = lora.token_logprobs(head, hidden[rest_idx].detach(), targets[rest_idx])
+            live = lora.token_logprobs(head, hidden[grad_idx], targets[grad_idx])
+            flat = torch.zeros(targets.shape[0], dtype=torch.float32, device=self.base.device)
+            return flat.index_copy(0, rest_idx, rest).index_copy(0, grad_idx, live)
+
+    def _run_loss(self, batch: Batch, fn, config: dict, backward: bool) -> ForwardBackwardOutput:
+        inputs = {k: v.to(self.base.device) for k, v in batch.flat_inputs.items() if k != "target_tokens"}
+        weights = batch.flat_inputs.get("weights")
+        with torch.set_grad_enabled(backward):
+            lp = self._target_logprobs(batch, None if weights is None else weights != 0)
+            loss = fn(lp, inputs, config)
+            if backward:
+                loss.backward()
+        lp = lp.detach().cpu()
+        return ForwardBackwardOutput(
+            loss_fn_outputs=[{"logprobs": TensorData.from_torch(x)} for x in batch.split(lp)],
+            metrics={"loss:sum": float(loss.detach())})
+
+    def _run_custom(self, batch: Batch, fn: CustomLossFn) -> ForwardBackwardOutput:
+        with torch.enable_grad():
+            lp = self._target_logprobs(batch, None)
+            loss, metrics = fn(batch.data, batch.split(lp))
+            if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+                raise TypeError("forward_backward_custom: loss_fn must return (scalar tensor, metrics dict)")
+            loss.backward()
+        return ForwardBackwardOutput(
+            loss_fn_outputs=[{"logprobs": TensorData.from_torch(x)} for x in batch.split(lp.detach().cpu())],
+            metrics={"loss:sum": float(loss.detach()), **{k: float(v) for k, v in (metrics or {}).items()}})
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self._params, lr=0.0, foreach=True)
+
+    def _run_optim_step(self, adam: AdamParams) -> OptimStepResponse:
+        if self._optimizer is None:
+            self._optimizer = self._make_optimizer()
+        grads = [p.grad for p in self._params if p.grad is not None]
+        grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) \
+            if grads else 0.0
+        if not math.isfinite(grad_norm):
+            self._optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"optim_step: gradient norm is {grad_norm}; the step was skipped and "
+                                     "gradients cleared (weights unchanged)")
+        if adam.grad_clip_norm > 0 and grad_norm > adam.grad_clip_norm:
+            torch._foreach_mul_(grads, adam.grad_clip_norm / (grad_norm + 1e-6))
+        for group in self._optimizer.param_groups:
+            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                         weight_decay=adam.weight_decay)
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return OptimStepResponse(metrics={"grad_norm": grad_norm, "learning_rate": adam.learning_rate,
+                                          "step": float(self.step)})
+
+    def _checkpoint_path(self, name: str) -> Path:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError("name: expected a non-empty checkpoint name or an absolute folder path")
+        path = Path(name).expanduser()
+        if path.is_absolute():
+            return path
+        if ".." in path.parts:
+            raise ValueError(f"name: {name!r} must not contain '..'")
+        return self._checkpoint_dir / path
+
+    def _run_save(self, path: Path, with_optimizer: bool) -> SaveWeightsResponse:
+        state = lora.adapter_state(self.base, self.adapter)
+        optimizer_state = self._optimizer.state_dict() if (with_optimizer and self._optimizer) else None
+
+        def write(folder: Path) -> None:
+            save_file(state, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            config = self._lora_config.to_dict()
+            config["base_model_name_or_path"] = self.base.name
+            config["target_modules"] = sorted(config["target_modules"])
+            (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
+            if with_optimizer:
+                torch.save({"optimizer": optimizer_state, "step": self.step}, folder / OPTIMIZER_STATE)
+
+        meta = {"kind": "state" if with_optimizer else "sampler", "base_model": self.base.name,
+                "rank": self.rank, "step": self.step}
+        return SaveWeightsResponse(path=str(write_checkpoint(path, write, meta)))
+
+    def _check_checkpoint(self, path: str) -> dict:
+        manifest = read_manifest(path)
+        if manifest.get("rank") != self.rank:
+            raise CheckpointError(f"checkpoint {path!r} has LoRA rank {manifest.get('rank')}, this client "
+                                  f"has rank {self.rank}")
+        config = json.loads((Path(path) / ADAPTER_CONFIG).read_text())
+        if sorted(config["target_modules"]) != sorted(self._lora_config.target_modules):
+            raise CheckpointError(f"checkpoint {path!r} adapts {sorted(config['target_modules'])}, this client "
+                                  f"adapts {sorted(self._lora_config.target_modules)}")
+        return manifest
+
+    def _run_load(self, path: Path, manifest: dict, with_optimizer: bool) -> LoadWeightsResponse:
+        state = load_file(str(path / ADAPTER_WEIGHTS))
+        optimizer = None
+        if with_optimizer:
+            saved = torch.load(path / OPTIMIZER_STATE, map_location=self.base.device, weights_only=True)
+            if saved["optimizer"] is not None:
+                optimizer = self._make_optimizer()
+                optimizer.load_state_dict(saved["optimizer"])
+        with torch.no_grad():
+            lora.load_adapter_state(self.base, self.adapter, state)
+        for p in self._params:
+            p.grad = None
+        self._optimizer = optimizer
+        self.step = int(manifest.get("step", 0))
+        return LoadWeightsResponse(path=str(path))
+
+
+def _release(executor: concurrent.futures.ThreadPoolExecutor, base: BaseModel, adapter: str) -> None:
+    executor.shutdown(wait=False)
+    lora.delete_adapter(base, adapter)
