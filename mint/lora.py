@@ -10,10 +10,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from mint.models import BaseModel
@@ -38,7 +39,8 @@ def lora_config(base: BaseModel, rank: int, alpha: int, train_mlp: bool, train_a
         UNEMBED_MODULES if train_unembed else ())
     if not wanted:
         raise ValueError("train_mlp, train_attn, train_unembed: at least one must be True")
-    present = {name.rsplit(".", 1)[-1] for name, m in base.model.named_modules() if isinstance(m, torch.nn.Linear)}
+    present = {name.rsplit(".", 1)[-1] for name, m in base.model.named_modules()
+               if isinstance(m, (torch.nn.Linear, BaseTunerLayer))}  # adapted layers are peft wrappers
     targets = [m for m in wanted if m in present]
     if not targets:
         raise ValueError(f"base_model {base.name!r} has none of the LoRA target layers {list(wanted)}")
@@ -109,7 +111,8 @@ def load_adapter_state(base: BaseModel, adapter: str, state: dict[str, torch.Ten
         missing = [k for k in getattr(result, "missing_keys", []) if f".{adapter}." in k]
         unexpected = list(getattr(result, "unexpected_keys", []))
         if missing or unexpected:
-            raise ValueError(f"checkpoint does not fit this adapter: missing {missing[:3]}, unexpected {unexpected[:3]}")
+            raise ValueError(
+                f"checkpoint does not fit this adapter: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
 def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:

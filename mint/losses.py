@@ -14,8 +14,8 @@ KL penalties are not here: the RL loop folds them into the advantages.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 import torch
 

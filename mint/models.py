@@ -127,7 +127,7 @@ def convert_gguf(gguf_file: Path) -> Path:
     return target
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def resolve_weights(base_model: str) -> str:
     """Map a ``base_model`` name to something ``from_pretrained`` can load offline or from the hub."""
     if not isinstance(base_model, str) or not base_model.strip():

@@ -20,8 +20,8 @@ import inspect
 import os
 import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 from transformers import DynamicCache
@@ -209,7 +209,7 @@ def _generate(model: torch.nn.Module, base: BaseModel, requests: Sequence[_Reque
     active = [i for i, (q, _) in enumerate(rows) if requests[q].max_tokens > 0]
     if len(active) < len(rows):
         logits, mask, next_position = logits[active], mask[active], next_position[active]
-        cache.batch_select_indices(torch.tensor(active, device=device))
+        cache.batch_select_indices(torch.tensor(active, dtype=torch.long, device=device))
     active_rows = [rows[i] for i in active]
 
     while active_rows:

@@ -24,14 +24,16 @@ class ServiceClient:
     """Creates training and sampling clients on models loaded in this process.
 
     ``checkpoint_dir``: where checkpoint names from ``save_state(name)`` go
-    (default ``$MINTFLOW_CACHE/checkpoints/<session>``); ``dtype``/``device`` override
+    (default ``$MINTFLOW_CHECKPOINTS/<session>``, else ``$MINTFLOW_CACHE/checkpoints/<session>``);
+    ``dtype``/``device`` override
     the defaults (bfloat16 on a CPU that supports it, else float32; CUDA when present).
     """
 
     def __init__(self, api_key: str | None = None, *, checkpoint_dir: str | os.PathLike | None = None,
                  dtype: str | torch.dtype | None = None, device: str | torch.device | None = None, **_ignored):
         session = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else cache_dir() / "checkpoints" / session
+        root = Path(os.environ.get("MINTFLOW_CHECKPOINTS") or cache_dir() / "checkpoints")
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else root / session
         self.dtype = dtype
         self.device = device
 

@@ -13,8 +13,9 @@ import concurrent.futures
 import json
 import math
 import weakref
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file

@@ -7,7 +7,8 @@ refused with the offending field named before any model state is touched.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -49,18 +50,18 @@ class TensorData(_Model):
     shape: list[int] | None = None
 
     @model_validator(mode="after")
-    def _check_shape(self) -> "TensorData":
+    def _check_shape(self) -> TensorData:
         if self.shape is not None and int(np.prod(self.shape)) != len(self.data):
             raise ValueError(f"TensorData.shape {self.shape} does not match {len(self.data)} data elements")
         return self
 
     @classmethod
-    def from_numpy(cls, array: np.ndarray) -> "TensorData":
+    def from_numpy(cls, array: np.ndarray) -> TensorData:
         dtype = _dtype_name(array.dtype)
         return cls(data=array.reshape(-1).tolist(), dtype=dtype, shape=list(array.shape))
 
     @classmethod
-    def from_torch(cls, tensor: torch.Tensor) -> "TensorData":
+    def from_torch(cls, tensor: torch.Tensor) -> TensorData:
         return cls.from_numpy(tensor.detach().cpu().numpy() if tensor.dtype != torch.bfloat16
                               else tensor.detach().float().cpu().numpy())
 
@@ -104,12 +105,12 @@ def to_tensor_data(value: Any, name: str) -> TensorData:
         except ValueError as e:
             raise ValueError(f"loss_fn_inputs[{name!r}] is not a rectangular array: {e}") from None
     else:
-        raise TypeError(
+        raise ValueError(
             f"loss_fn_inputs[{name!r}] must be a list, numpy array, torch tensor or TensorData, "
             f"got {type(value).__name__}"
         )
     if array.dtype.kind not in "iubf":
-        raise TypeError(f"loss_fn_inputs[{name!r}] must hold numbers, got dtype {array.dtype}")
+        raise ValueError(f"loss_fn_inputs[{name!r}] must hold numbers, got dtype {array.dtype}")
     if dtype == "int64":
         if array.dtype.kind == "f":
             if not np.all(np.isfinite(array)) or np.any(array != np.round(array)):
@@ -135,11 +136,11 @@ class ModelInput(_Model):
     chunks: list[EncodedTextChunk]
 
     @classmethod
-    def from_ints(cls, tokens: Sequence[int]) -> "ModelInput":
+    def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
         return cls(chunks=[EncodedTextChunk(tokens=[int(t) for t in tokens])])
 
     @classmethod
-    def empty(cls) -> "ModelInput":
+    def empty(cls) -> ModelInput:
         return cls(chunks=[])
 
     def to_ints(self) -> list[int]:
@@ -149,11 +150,11 @@ class ModelInput(_Model):
     def length(self) -> int:
         return sum(chunk.length for chunk in self.chunks)
 
-    def append_int(self, token: int) -> "ModelInput":
+    def append_int(self, token: int) -> ModelInput:
         """A new ModelInput with ``token`` appended (the original is unchanged)."""
         return ModelInput.from_ints(self.to_ints() + [int(token)])
 
-    def append(self, chunk: EncodedTextChunk) -> "ModelInput":
+    def append(self, chunk: EncodedTextChunk) -> ModelInput:
         return ModelInput(chunks=[*self.chunks, chunk])
 
 
@@ -171,7 +172,7 @@ class Datum(_Model):
     @classmethod
     def _convert_inputs(cls, value: Any) -> dict[str, TensorData]:
         if not isinstance(value, dict):
-            raise TypeError(f"loss_fn_inputs must be a dict of name -> array, got {type(value).__name__}")
+            raise ValueError(f"loss_fn_inputs must be a dict of name -> array, got {type(value).__name__}")
         return {str(name): to_tensor_data(v, str(name)) for name, v in value.items()}
 
 

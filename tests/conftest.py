@@ -1,0 +1,51 @@
+"""Shared fixtures. Tests run offline and write only to temporary folders (plus the model cache)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+import mint
+from mint import types
+
+EMBEDDED = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def service(tmp_path_factory):
+    return mint.ServiceClient(checkpoint_dir=tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def service_fp32(tmp_path_factory):
+    return mint.ServiceClient(checkpoint_dir=tmp_path_factory.mktemp("checkpoints32"), dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(service):
+    return service.create_sampling_client(base_model=EMBEDDED).get_tokenizer()
+
+
+def chat_prompt(tokenizer, text: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         return_dict=False)
+
+
+def sft_datum(tokenizer, question: str, answer: str) -> types.Datum:
+    prompt = chat_prompt(tokenizer, question)
+    completion = tokenizer.encode(answer + "<|im_end|>", add_special_tokens=False)
+    tokens = prompt + completion
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:],
+                                       "weights": [0.0] * (len(prompt) - 1) + [1.0] * len(completion)})
+
+
+def lora_snapshot(client) -> dict[str, torch.Tensor]:
+    return {str(i): p.detach().clone() for i, p in enumerate(client._params)}
+
+
+def grads_snapshot(client) -> dict[str, torch.Tensor | None]:
+    return {str(i): None if p.grad is None else p.grad.clone() for i, p in enumerate(client._params)}
