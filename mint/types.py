@@ -95,6 +95,8 @@ def to_tensor_data(value: Any, name: str) -> TensorData:
     hosted API does.
     """
     dtype: DType = "int64" if name in INT_INPUT_NAMES else "float32"
+    if isinstance(value, dict):  # a serialized TensorData (model_dump / JSON)
+        value = TensorData.model_validate(value)
     if isinstance(value, TensorData):
         array = value.to_numpy()
     elif isinstance(value, torch.Tensor):

@@ -1,0 +1,94 @@
+"""The GRPO run's typed config. Prefect renders it as the run form; every field says what it is and its bounds."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+class SFTConfig(BaseModel):
+    """Supervised warm start before RL (the seed's recommended two-stage path)."""
+
+    model_config = ConfigDict(extra="forbid")
+    dataset: str = Field("arithmetic", description="Demonstrations: 'arithmetic', 'gsm8k', 'math' or a .jsonl path")
+    steps: int = Field(4, ge=1, le=100_000, description="SFT optimizer steps")
+    batch_size: int = Field(8, ge=1, le=4096, description="Demonstrations per SFT step")
+    learning_rate: float = Field(1e-4, gt=0, le=1e-2, description="Adam learning rate for SFT")
+
+
+class GRPOConfig(BaseModel):
+    """GRPO on a verifiable reward. Defaults are the seed's parameter table."""
+
+    model_config = ConfigDict(extra="forbid")
+    recipe: str = Field("custom", description="Name of the recipe this config came from (for tracking)")
+    base_model: str = Field("Qwen/Qwen3-0.6B", description="Hub id, local folder, .gguf file, or 'embedded'")
+    dataset: str = Field("arithmetic", description="'arithmetic' (generated), 'gsm8k', 'math' or a .jsonl path")
+    reward: Literal["math"] = Field("math", description="Reward function (rewards/ registry)")
+    reward_options: dict[str, float] = Field(default_factory=dict,
+                                             description="Keyword options of the reward, e.g. format_bonus")
+    loss_fn: Literal["importance_sampling", "ppo", "cispo", "dro"] = Field(
+        "importance_sampling", description="RL loss; GRPO's default is importance_sampling")
+    loss_fn_config: dict[str, float] = Field(default_factory=dict,
+                                             description="Loss options (e.g. ppo clip thresholds)")
+    group_size: int = Field(4, ge=2, le=64, description="Samples per prompt (typically 4-16)")
+    groups_per_batch: int = Field(8, ge=1, le=1024, description="Prompts per training step")
+    max_tokens: int = Field(16, ge=1, le=8192, description="Max generated tokens (math ~16, chat ~128, code ~256)")
+    learning_rate: float = Field(2e-5, gt=0, le=1e-2, description="Adam learning rate (RL: typically 1e-5 to 4e-5)")
+    grad_clip_norm: float = Field(1.0, ge=0, le=1e6, description="Gradient norm clip (0 = off)")
+    temperature: float = Field(0.8, gt=0, le=2.0, description="Sampling temperature (typically 0.7-1.0)")
+    kl_penalty_coef: float = Field(0.0, ge=0, le=10.0, description="KL penalty to the base model (0 = off)")
+    rank: int = Field(16, ge=1, le=512, description="LoRA rank")
+    train_unembed: bool = Field(False, description="Also put LoRA on the unembedding (lm_head)")
+    iterations: int = Field(20, ge=1, le=1_000_000, description="GRPO iterations")
+    eval_every: int = Field(5, ge=0, le=1_000_000, description="Evaluate every N iterations (0 = only at the end)")
+    eval_size: int = Field(50, ge=1, le=10_000, description="Held-out problems per evaluation")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Base seed; every stage derives its own")
+    remove_constant_reward_groups: bool = Field(False, description="Drop groups whose rewards are all equal")
+    sft: SFTConfig | None = Field(None, description="Optional SFT warm start before RL")
+
+    def run_key(self) -> str:
+        """Identifies a run: the same config resumes the same run (and the same MLflow run)."""
+        return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_recipe(recipe: str) -> dict[str, Any]:
+    """A recipe by name (``recipes/<name>.yaml``) or path."""
+    path = Path(recipe)
+    if not path.suffix:
+        path = RECIPES / f"{recipe}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in RECIPES.glob("*.yaml"))
+        raise ValueError(f"recipe: {recipe!r} is neither a file nor one of {known}")
+    values = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"recipe {path}: expected a mapping of config fields")
+    values.setdefault("recipe", path.stem)
+    return values
+
+
+def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``key=value`` pairs (values parsed as YAML, dotted keys reach into nested blocks like sft.steps)."""
+    values = json.loads(json.dumps(values))
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        target = values
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            if not isinstance(target.get(part), dict):
+                target[part] = {}
+            target = target[part]
+        target[parts[-1]] = yaml.safe_load(raw)
+    return values
+
+
+def build_config(recipe: str, overrides: list[str] | None = None) -> GRPOConfig:
+    return GRPOConfig.model_validate(apply_overrides(load_recipe(recipe), overrides or []))

@@ -1,0 +1,128 @@
+"""The GRPO flow: SFT warm start, then N x [sample, score, advantages, train, evaluate].
+
+Every stage is a cached, retried Prefect task whose key hashes its inputs' content, so
+rerunning the same config after a crash replays finished stages from the cache and
+continues; MLflow is logged here, in the flow, from the values the tasks return.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
+from prefect.runtime import flow_run
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from flows.config import GRPOConfig
+from flows.tracking import Tracker
+from tasks.common import data_dir
+from tasks.rollouts import compute_advantages, evaluate, sample, score
+from tasks.train import init_policy, sft_warm_start, train
+
+
+class StageRunner:
+    """Calls tasks, counting which ran and which came back from the cache, and timing each stage."""
+
+    def __init__(self) -> None:
+        self.ran = 0
+        self.cached = 0
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, task, *args, **kwargs) -> Any:
+        start = time.perf_counter()
+        state = task(*args, return_state=True, **kwargs)
+        self.seconds[task.name] = time.perf_counter() - start
+        if state.name == "Cached":
+            self.cached += 1
+        else:
+            self.ran += 1
+        return state.result()
+
+
+@flow(name="grpo")
+def grpo(config: GRPOConfig) -> dict:
+    logger = get_run_logger()
+    run = StageRunner()
+    tracker = Tracker(data_dir(), f"mintflow-{config.recipe}", config.run_key(), f"{config.recipe}-{config.run_key()}",
+                      _flat_params(config), flow_run.get_id())
+    lora = dict(base_model=config.base_model, rank=config.rank, train_unembed=config.train_unembed)
+    evaluate_args = dict(dataset=config.dataset, eval_size=config.eval_size, max_tokens=config.max_tokens,
+                         reward=config.reward, reward_options=config.reward_options)
+
+    policy = run(init_policy, seed=config.seed, **lora)
+    history: list[dict] = []
+    first = {"iteration": 0}
+    if config.sft:
+        policy, sft_metrics = run(sft_warm_start, policy, dataset=config.sft.dataset, steps=config.sft.steps,
+                                  batch_size=config.sft.batch_size, learning_rate=config.sft.learning_rate,
+                                  seed=config.seed, **lora)
+        first.update(sft_metrics)
+    first.update(run(evaluate, policy, **evaluate_args))
+    tracker.log_step(0, _numbers(first))
+    history.append(first)
+    logger.info("iteration 0: held-out accuracy %.2f", first["eval_accuracy"])
+
+    with _progress() as bar:
+        job = bar.add_task("GRPO", total=config.iterations, reward="-", accuracy=f"{first['eval_accuracy']:.2f}")
+        for iteration in range(1, config.iterations + 1):
+            run.seconds.clear()
+            rollouts, sample_metrics = run(sample, policy, dataset=config.dataset,
+                                           groups_per_batch=config.groups_per_batch, group_size=config.group_size,
+                                           max_tokens=config.max_tokens, temperature=config.temperature,
+                                           seed=config.seed, iteration=iteration)
+            rewards = run(score, rollouts, reward=config.reward, reward_options=config.reward_options)
+            batch, batch_metrics = run(compute_advantages, rollouts, rewards, base_model=config.base_model,
+                                       kl_penalty_coef=config.kl_penalty_coef,
+                                       remove_constant_reward_groups=config.remove_constant_reward_groups)
+            policy, train_metrics = run(train, policy, batch, loss_fn=config.loss_fn,
+                                        loss_fn_config=config.loss_fn_config, learning_rate=config.learning_rate,
+                                        grad_clip_norm=config.grad_clip_norm, iteration=iteration, **lora)
+            record = {"iteration": iteration, **sample_metrics, **batch_metrics, **train_metrics}
+            if _eval_due(config, iteration):
+                record.update(run(evaluate, policy, **evaluate_args))
+            record.update({f"stage_seconds_{name}": s for name, s in run.seconds.items()})
+            tracker.log_step(iteration, _numbers(record))
+            if _eval_due(config, iteration):
+                tracker.log_checkpoint(iteration, policy.path)
+            history.append(record)
+            bar.update(job, advance=1, reward=f"{record['reward_mean']:.2f}",
+                       accuracy=f"{record.get('eval_accuracy', float('nan')):.2f}" if "eval_accuracy" in record
+                       else bar.tasks[job].fields["accuracy"])
+
+    tracker.log_curves(history)
+    version = tracker.register_adapter(f"mintflow-{config.recipe}", policy.path)
+    tracker.finish()
+    rows = [{"iteration": h["iteration"], "mean_reward": round(h["reward_mean"], 3) if "reward_mean" in h else None,
+             "eval_accuracy": round(h["eval_accuracy"], 3) if "eval_accuracy" in h else None} for h in history]
+    create_table_artifact(rows, key=f"grpo-{config.recipe}", description=f"GRPO {config.recipe} {config.run_key()}")
+    final_eval = next(h for h in reversed(history) if "eval_accuracy" in h)
+    return {"flow_run_id": flow_run.get_id(), "mlflow_run_id": tracker.run_id, "mlflow_tracking_uri": tracker.uri,
+            "registered_model": f"mintflow-{config.recipe}", "registered_version": version,
+            "final_checkpoint": policy.path, "final_checkpoint_digest": policy.digest,
+            "final_eval": {k: v for k, v in final_eval.items() if k.startswith("eval_")},
+            "history": rows, "tasks_ran": run.ran, "tasks_cached": run.cached}
+
+
+def _eval_due(config: GRPOConfig, iteration: int) -> bool:
+    return iteration == config.iterations or (config.eval_every > 0 and iteration % config.eval_every == 0)
+
+
+def _numbers(record: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k != "iteration"}
+
+
+def _flat_params(config: GRPOConfig) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in config.model_dump().items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("reward {task.fields[reward]}  eval acc {task.fields[accuracy]}"), TimeElapsedColumn())

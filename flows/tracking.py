@@ -1,0 +1,116 @@
+"""MLflow tracking for a GRPO run: the one place that talks to MLflow.
+
+One MLflow run per config (tagged with its run key): a rerun of the same config,
+after a crash or not, continues that run, and a step already logged is never
+logged twice. Metrics use ``step=iteration``; checkpoints are logged as artifacts;
+the final adapter is registered as a model version with an alias.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import mlflow
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+REGISTERED_ALIAS = "champion"  # "latest" is reserved by MLflow
+
+
+def tracking_uri(data_dir: Path) -> str:
+    """``$MLFLOW_TRACKING_URI`` if set, else a SQLite store in the data dir."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{data_dir / 'mlflow.db'}"
+
+
+class Tracker:
+    def __init__(self, data_dir: Path, experiment: str, run_key: str, run_name: str, params: dict,
+                 flow_run_id: str | None):
+        self.uri = tracking_uri(data_dir)
+        self.client = MlflowClient(self.uri)
+        found = self.client.get_experiment_by_name(experiment)
+        if found is None:
+            artifacts = os.environ.get("MINTFLOW_ARTIFACT_ROOT") or (data_dir / "mlartifacts").absolute().as_uri()
+            experiment_id = self.client.create_experiment(experiment, artifact_location=artifacts)
+        else:
+            experiment_id = found.experiment_id
+        runs = self.client.search_runs([experiment_id], f"tags.`mintflow.run_key` = '{run_key}'", max_results=1)
+        if runs:
+            self.run_id = runs[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            run = self.client.create_run(experiment_id, run_name=run_name, tags={"mintflow.run_key": run_key})
+            self.run_id = run.info.run_id
+            self.client.log_batch(self.run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
+        if flow_run_id:
+            self.client.set_tag(self.run_id, "prefect.flow_run_id", flow_run_id)
+        self._logged = {m.step for m in self.client.get_metric_history(self.run_id, "iteration_done")}
+        self._artifacts = {f.path for f in self.client.list_artifacts(self.run_id, "checkpoints")}
+
+    def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        """Log one iteration's metrics once; ``iteration_done`` is written last and marks the step complete."""
+        if step in self._logged:
+            return
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()] + [Metric("iteration_done", 1, now, step)]
+        for start in range(0, len(batch), 900):
+            self.client.log_batch(self.run_id, metrics=batch[start:start + 900])
+        self._logged.add(step)
+
+    def log_checkpoint(self, step: int, path: str) -> None:
+        name = f"checkpoints/iter-{step:05d}"
+        if name not in self._artifacts:
+            self.client.log_artifacts(self.run_id, path, name)
+            self._artifacts.add(name)
+
+    def log_curves(self, history: list[dict]) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        steps = [h["iteration"] for h in history if "reward_mean" in h]
+        ax.plot(steps, [h["reward_mean"] for h in history if "reward_mean" in h], label="mean sampled reward")
+        evals = [h for h in history if "eval_accuracy" in h]
+        ax.plot([h["iteration"] for h in evals], [h["eval_accuracy"] for h in evals], "o-",
+                label="held-out greedy accuracy")
+        ax.set_xlabel("iteration")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        self.client.log_figure(self.run_id, fig, "reward_curve.png")
+        plt.close(fig)
+
+    def register_adapter(self, model_name: str, path: str) -> str:
+        """Log the final adapter and register it as a model version with the alias ``champion``."""
+        self.client.log_artifacts(self.run_id, path, "final_adapter")
+        source = f"{self.client.get_run(self.run_id).info.artifact_uri}/final_adapter"
+        try:
+            self.client.get_registered_model(model_name)
+        except mlflow.exceptions.MlflowException:
+            self.client.create_registered_model(model_name)
+        for version in self.client.search_model_versions(f"name = '{model_name}'"):
+            if version.run_id == self.run_id and version.source == source:
+                break
+        else:
+            version = self.client.create_model_version(model_name, source, run_id=self.run_id)
+        self.client.set_registered_model_alias(model_name, REGISTERED_ALIAS, version.version)
+        self.client.set_tag(self.run_id, "mintflow.registered_model", f"{model_name}/{version.version}")
+        return str(version.version)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def download_registered_adapter(model_name: str, alias: str = REGISTERED_ALIAS, uri: str | None = None) -> str:
+    """A local folder with the registered adapter, ready for ``create_sampling_client(model_path=...)``."""
+    client = MlflowClient(uri)
+    version = client.get_model_version_by_alias(model_name, alias)
+    target = tempfile.mkdtemp(prefix="mintflow-adapter-")
+    return mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=target, tracking_uri=uri)
+
+
+__all__ = ["Tracker", "download_registered_adapter", "tracking_uri", "RunTag"]

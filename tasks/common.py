@@ -1,0 +1,156 @@
+"""What every task shares: the warm engine, content keys, and atomic artifact files.
+
+Tasks pass each other ``Artifact``s (a path plus the sha256 of its content), never
+model objects. A task's cache key hashes its name, its arguments (so an input
+artifact counts by its digest, not its path string) and the code version; the folder
+or file a task writes is named by that same key, so outputs are content-addressed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+import mint
+from mint.checkpoints import checkpoint_digest
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _code_version() -> str:
+    digest = hashlib.sha256()
+    for package in ("mint", "rewards", "tasks"):
+        for file in sorted((_ROOT / package).rglob("*.py")):
+            digest.update(file.relative_to(_ROOT).as_posix().encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+CODE_VERSION = _code_version()
+
+
+class Artifact(BaseModel):
+    """A file or checkpoint folder, with the hash of its content."""
+
+    path: str
+    digest: str
+
+
+def data_dir() -> Path:
+    """Where runs keep checkpoints, rollouts and the MLflow store (``$MINTFLOW_HOME``, default ./data)."""
+    return Path(os.environ.get("MINTFLOW_HOME") or Path.cwd() / "data").absolute()
+
+
+def content_key(task_name: str, arguments: dict[str, Any]) -> str:
+    payload = json.dumps({"task": task_name, "code": CODE_VERSION, "args": arguments}, sort_keys=True,
+                         default=lambda o: o.model_dump() if isinstance(o, BaseModel) else str(o))
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def task_cache_key(context, parameters: dict[str, Any]) -> str:
+    """Prefect ``cache_key_fn``: the content key of this task call."""
+    return f"{context.task.name}-{content_key(context.task.name, parameters)}"
+
+
+def derived_seed(base_seed: int, *parts: Any) -> int:
+    """A seed for one stage of one iteration, so reruns reproduce and stages do not share randomness."""
+    digest = hashlib.sha256(json.dumps([base_seed, *parts]).encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_json(kind: str, key: str, obj: Any) -> Artifact:
+    """Write ``obj`` to ``data/<kind>/<key>.json`` atomically (temp file, fsync, rename)."""
+    folder = data_dir() / kind
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{key}.json"
+    fd, tmp = tempfile.mkstemp(prefix=f".{key}.", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return Artifact(path=str(path), digest=sha256_file(path))
+
+
+def read_json(artifact: Artifact) -> Any:
+    """Read an artifact file, refusing one whose content no longer matches its digest."""
+    path = Path(artifact.path)
+    if not path.is_file():
+        raise FileNotFoundError(f"artifact {path} is missing")
+    if sha256_file(path) != artifact.digest:
+        raise ValueError(f"artifact {path} is corrupted: its sha256 no longer matches")
+    return json.loads(path.read_text())
+
+
+def checkpoint_dir(key: str) -> Path:
+    return data_dir() / "checkpoints" / key
+
+
+def checkpoint_artifact(path: str | Path) -> Artifact:
+    return Artifact(path=str(path), digest=checkpoint_digest(path))
+
+
+# ------------------------------------------------------------------ warm engine
+_lock = threading.RLock()
+_service: mint.ServiceClient | None = None
+_trainers: dict[tuple, mint.TrainingClient] = {}
+
+
+def service() -> mint.ServiceClient:
+    global _service
+    with _lock:
+        if _service is None:
+            _service = mint.ServiceClient(checkpoint_dir=data_dir() / "checkpoints")
+        return _service
+
+
+def trainer(base_model: str, rank: int, train_unembed: bool) -> mint.TrainingClient:
+    """A warm training client per LoRA shape; tasks load their input checkpoint into it."""
+    key = (base_model, rank, train_unembed)
+    with _lock:
+        if key not in _trainers:
+            _trainers[key] = service().create_lora_training_client(base_model, rank=rank, seed=0,
+                                                                   train_unembed=train_unembed)
+        return _trainers[key]
+
+
+def render_prompt(tokenizer, question: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         return_dict=False)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Errors worth a retry: memory pressure and I/O hiccups, never bad input."""
+    if isinstance(exc, MemoryError):
+        return True
+    if isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower():
+        return True
+    return isinstance(exc, (TimeoutError, ConnectionError, InterruptedError))
+
+
+def retry_on_transient(task, task_run, state) -> bool:
+    """Prefect ``retry_condition_fn``: retry only transient failures."""
+    try:
+        state.result()
+    except Exception as exc:  # the task's own exception
+        return is_transient(exc)
+    return False

@@ -1,0 +1,133 @@
+"""Tasks around rollouts: sample groups, score them, turn them into datums, evaluate a policy."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from prefect import task
+
+from mint import grpo, types
+from rewards import datasets, get_reward
+from tasks.common import (
+    Artifact,
+    content_key,
+    derived_seed,
+    read_json,
+    render_prompt,
+    retry_on_transient,
+    service,
+    task_cache_key,
+    write_json,
+)
+
+TRANSIENT = dict(retries=2, retry_delay_seconds=[2, 8], retry_condition_fn=retry_on_transient)
+
+
+class RewardError(RuntimeError):
+    """A reward function failed on a sample (named in the message)."""
+
+
+@task(name="sample", cache_key_fn=task_cache_key, persist_result=True, **TRANSIENT)
+def sample(policy: Artifact, dataset: str, groups_per_batch: int, group_size: int, max_tokens: int,
+           temperature: float, seed: int, iteration: int) -> tuple[Artifact, dict]:
+    """``group_size`` samples for each of ``groups_per_batch`` training problems, from the policy checkpoint."""
+    key = content_key("sample", dict(policy=policy, dataset=dataset, groups_per_batch=groups_per_batch,
+                                     group_size=group_size, max_tokens=max_tokens, temperature=temperature,
+                                     seed=seed, iteration=iteration))
+    sampler = service().create_sampling_client(model_path=policy.path)
+    tokenizer = sampler.get_tokenizer()
+    problems = datasets.train_batch(dataset, groups_per_batch, derived_seed(seed, "problems", iteration))
+    start = time.perf_counter()
+    prompts = [render_prompt(tokenizer, p["question"]) for p in problems]
+    futures = [sampler.sample(types.ModelInput.from_ints(prompt), group_size,
+                              types.SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                                   seed=derived_seed(seed, "sample", iteration, i)))
+               for i, prompt in enumerate(prompts)]
+    groups = []
+    for problem, prompt, future in zip(problems, prompts, futures):
+        samples = [{"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason,
+                    "text": tokenizer.decode(s.tokens, skip_special_tokens=True)} for s in future.result().sequences]
+        groups.append({"problem": problem, "prompt_tokens": prompt, "samples": samples})
+    seconds = time.perf_counter() - start
+    tokens = sum(len(s["tokens"]) for g in groups for s in g["samples"])
+    return write_json("rollouts", key, {"groups": groups}), {"sample_seconds": seconds, "sampled_tokens": tokens,
+                                                               "sample_tokens_per_s": tokens / max(seconds, 1e-9)}
+
+
+@task(name="score", cache_key_fn=task_cache_key, persist_result=True, retries=3, retry_delay_seconds=[1, 2, 4])
+def score(rollouts: Artifact, reward: str, reward_options: dict) -> list[list[float]]:
+    """Rewards per group and sample. Retried with backoff: judges and sandboxes fail transiently."""
+    reward_fn = get_reward(reward)
+    rewards = []
+    for g, group in enumerate(read_json(rollouts)["groups"]):
+        row = []
+        for s, sample_ in enumerate(group["samples"]):
+            try:
+                row.append(float(reward_fn(sample_["text"], group["problem"], **reward_options)))
+            except Exception as e:
+                raise RewardError(f"reward {reward!r} failed on group {g} sample {s} (problem "
+                                  f"{group['problem']['id']!r}, completion {sample_['text'][:80]!r}): "
+                                  f"{type(e).__name__}: {e}") from e
+        rewards.append(row)
+    return rewards
+
+
+@task(name="compute_advantages", cache_key_fn=task_cache_key, persist_result=True, **TRANSIENT)
+def compute_advantages(rollouts: Artifact, rewards: list[list[float]], base_model: str, kl_penalty_coef: float,
+                       remove_constant_reward_groups: bool) -> tuple[Artifact, dict]:
+    """GRPO datums: advantage = reward - group mean; KL to the base model folded in when the coefficient > 0."""
+    key = content_key("compute_advantages", dict(rollouts=rollouts, rewards=rewards, base_model=base_model,
+                                                 kl_penalty_coef=kl_penalty_coef,
+                                                 remove_constant_reward_groups=remove_constant_reward_groups))
+    groups = read_json(rollouts)["groups"]
+    datums = []
+    constant = 0
+    for group, group_rewards in zip(groups, rewards, strict=True):
+        if grpo.is_constant(group_rewards):
+            constant += 1
+            if remove_constant_reward_groups:
+                continue
+        samples = [types.SampledSequence(tokens=s["tokens"], logprobs=s["logprobs"], stop_reason=s["stop_reason"])
+                   for s in group["samples"]]
+        datums += grpo.group_datums(group["prompt_tokens"], samples, group_rewards)
+    metrics = _reward_metrics(rewards)
+    if kl_penalty_coef > 0 and datums:
+        reference = service().create_sampling_client(base_model=base_model)
+        futures = [reference.compute_logprobs(types.ModelInput.from_ints(
+            d.model_input.to_ints() + d.loss_fn_inputs["target_tokens"].tolist()[-1:])) for d in datums]
+        reference_lp = [f.result()[1:] for f in futures]
+        datums, metrics["kl_to_base"] = grpo.incorporate_kl_penalty(datums, reference_lp, kl_penalty_coef)
+    metrics["num_datums"] = len(datums)
+    return write_json("datums", key, {"datums": [d.model_dump() for d in datums]}), metrics
+
+
+def _reward_metrics(rewards: list[list[float]]) -> dict:
+    flat = [r for row in rewards for r in row]
+    constant = [row for row in rewards if grpo.is_constant(row)]
+    n = len(rewards)
+    return {"reward_mean": statistics.fmean(flat), "reward_std": statistics.pstdev(flat),
+            "frac_mixed": 1 - len(constant) / n,
+            "frac_all_good": sum(1 for row in constant if row[0] > 0) / n,
+            "frac_all_bad": sum(1 for row in constant if row[0] <= 0) / n}
+
+
+@task(name="evaluate", cache_key_fn=task_cache_key, persist_result=True, **TRANSIENT)
+def evaluate(policy: Artifact, dataset: str, eval_size: int, max_tokens: int, reward: str,
+             reward_options: dict) -> dict:
+    """Greedy accuracy (reward > 0 counts as correct for 0/1 rewards: mean reward is also reported)."""
+    sampler = service().create_sampling_client(model_path=policy.path)
+    tokenizer = sampler.get_tokenizer()
+    problems = datasets.eval_set(dataset, eval_size)
+    greedy = types.SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    start = time.perf_counter()
+    futures = [sampler.sample(types.ModelInput.from_ints(render_prompt(tokenizer, p["question"])), 1, greedy)
+               for p in problems]
+    reward_fn = get_reward(reward)
+    scores = [reward_fn(tokenizer.decode(f.result().sequences[0].tokens, skip_special_tokens=True), p,
+                        **reward_options) for f, p in zip(futures, problems)]
+    # Accuracy ignores any format bonus: correct means the verifier accepted the answer.
+    correct = [reward_fn(tokenizer.decode(f.result().sequences[0].tokens, skip_special_tokens=True), p) > 0
+               for f, p in zip(futures, problems)]
+    return {"eval_accuracy": sum(correct) / len(problems), "eval_reward_mean": statistics.fmean(scores),
+            "eval_seconds": time.perf_counter() - start}
