@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(BIN)/python examples/sft_then_rl.py
+	$(BIN)/mintflow run math
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -30,7 +30,7 @@ class GRPOConfig(BaseModel):
     recipe: str = Field("custom", description="Name of the recipe this config came from (for tracking)")
     base_model: str = Field("Qwen/Qwen3-0.6B", description="Hub id, local folder, .gguf file, or 'embedded'")
     dataset: str = Field("arithmetic", description="'arithmetic' (generated), 'gsm8k', 'math' or a .jsonl path")
-    reward: Literal["math"] = Field("math", description="Reward function (rewards/ registry)")
+    reward: str = Field("math", description="Reward function, a name in the rewards/ registry (e.g. 'math')")
     reward_options: dict[str, float] = Field(default_factory=dict,
                                              description="Keyword options of the reward, e.g. format_bonus")
     loss_fn: Literal["importance_sampling", "ppo", "cispo", "dro"] = Field(
@@ -52,6 +52,23 @@ class GRPOConfig(BaseModel):
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Base seed; every stage derives its own")
     remove_constant_reward_groups: bool = Field(False, description="Drop groups whose rewards are all equal")
     sft: SFTConfig | None = Field(None, description="Optional SFT warm start before RL")
+
+    @field_validator("reward")
+    @classmethod
+    def _known_reward(cls, value: str) -> str:
+        from rewards import REWARDS
+
+        if value not in REWARDS:
+            raise ValueError(f"unknown reward {value!r}; expected one of {sorted(REWARDS)}")
+        return value
+
+    @field_validator("loss_fn_config")
+    @classmethod
+    def _known_loss_keys(cls, value: dict[str, float], info) -> dict[str, float]:
+        from mint.losses import resolve_loss
+
+        resolve_loss(info.data.get("loss_fn", "importance_sampling"), value)
+        return value
 
     def run_key(self) -> str:
         """Identifies a run: the same config resumes the same run (and the same MLflow run)."""

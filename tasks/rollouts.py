@@ -55,22 +55,26 @@ def sample(policy: Artifact, dataset: str, groups_per_batch: int, group_size: in
                                                                "sample_tokens_per_s": tokens / max(seconds, 1e-9)}
 
 
-@task(name="score", cache_key_fn=task_cache_key, persist_result=True, retries=3, retry_delay_seconds=[1, 2, 4])
+# Rewards may call judges and sandboxes, which fail transiently: retried with backoff, bounded.
+REWARD_RETRIES = dict(retries=3, retry_delay_seconds=[1, 2, 4])
+
+
+@task(name="score", cache_key_fn=task_cache_key, persist_result=True, **REWARD_RETRIES)
 def score(rollouts: Artifact, reward: str, reward_options: dict) -> list[list[float]]:
     """Rewards per group and sample. Retried with backoff: judges and sandboxes fail transiently."""
     reward_fn = get_reward(reward)
-    rewards = []
-    for g, group in enumerate(read_json(rollouts)["groups"]):
-        row = []
-        for s, sample_ in enumerate(group["samples"]):
-            try:
-                row.append(float(reward_fn(sample_["text"], group["problem"], **reward_options)))
-            except Exception as e:
-                raise RewardError(f"reward {reward!r} failed on group {g} sample {s} (problem "
-                                  f"{group['problem']['id']!r}, completion {sample_['text'][:80]!r}): "
-                                  f"{type(e).__name__}: {e}") from e
-        rewards.append(row)
-    return rewards
+    return [[_reward(reward_fn, reward, s["text"], group["problem"], reward_options, f"group {g} sample {i}")
+             for i, s in enumerate(group["samples"])]
+            for g, group in enumerate(read_json(rollouts)["groups"])]
+
+
+def _reward(reward_fn, name: str, text: str, problem: dict, options: dict, where: str) -> float:
+    """One reward, or a RewardError naming the sample it failed on."""
+    try:
+        return float(reward_fn(text, problem, **options))
+    except Exception as e:
+        raise RewardError(f"reward {name!r} failed on {where} (problem {problem['id']!r}, completion "
+                          f"{text[:80]!r}): {type(e).__name__}: {e}") from e
 
 
 @task(name="compute_advantages", cache_key_fn=task_cache_key, persist_result=True, **TRANSIENT)
@@ -112,7 +116,7 @@ def _reward_metrics(rewards: list[list[float]]) -> dict:
             "frac_all_bad": sum(1 for row in constant if row[0] <= 0) / n}
 
 
-@task(name="evaluate", cache_key_fn=task_cache_key, persist_result=True, **TRANSIENT)
+@task(name="evaluate", cache_key_fn=task_cache_key, persist_result=True, **REWARD_RETRIES)
 def evaluate(policy: Artifact, dataset: str, eval_size: int, max_tokens: int, reward: str,
              reward_options: dict) -> dict:
     """Greedy accuracy (reward > 0 counts as correct for 0/1 rewards: mean reward is also reported)."""
@@ -124,10 +128,11 @@ def evaluate(policy: Artifact, dataset: str, eval_size: int, max_tokens: int, re
     futures = [sampler.sample(types.ModelInput.from_ints(render_prompt(tokenizer, p["question"])), 1, greedy)
                for p in problems]
     reward_fn = get_reward(reward)
-    scores = [reward_fn(tokenizer.decode(f.result().sequences[0].tokens, skip_special_tokens=True), p,
-                        **reward_options) for f, p in zip(futures, problems)]
+    texts = [tokenizer.decode(f.result().sequences[0].tokens, skip_special_tokens=True) for f in futures]
+    scores = [_reward(reward_fn, reward, t, p, reward_options, f"eval problem {i}")
+              for i, (t, p) in enumerate(zip(texts, problems))]
     # Accuracy ignores any format bonus: correct means the verifier accepted the answer.
-    correct = [reward_fn(tokenizer.decode(f.result().sequences[0].tokens, skip_special_tokens=True), p) > 0
-               for f, p in zip(futures, problems)]
+    correct = [_reward(reward_fn, reward, t, p, {}, f"eval problem {i}") > 0
+               for i, (t, p) in enumerate(zip(texts, problems))]
     return {"eval_accuracy": sum(correct) / len(problems), "eval_reward_mean": statistics.fmean(scores),
             "eval_seconds": time.perf_counter() - start}

@@ -1,9 +1,18 @@
 """Shared fixtures. Tests run offline and write only to temporary folders (plus the model cache)."""
 
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Prefect and MLflow get temporary homes; nothing a test does lands in the user's.
+_HOME = tempfile.mkdtemp(prefix="mintflow-tests-")
+os.environ["PREFECT_HOME"] = os.path.join(_HOME, "prefect")
+os.environ["PREFECT_LOCAL_STORAGE_PATH"] = os.path.join(_HOME, "prefect", "storage")
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["MINTFLOW_HOME"] = os.path.join(_HOME, "data")
+os.environ["MLFLOW_TRACKING_URI"] = "sqlite:///" + os.path.join(_HOME, "mlflow.db")
+os.environ.pop("PREFECT_API_URL", None)
 
 import pytest
 import torch

@@ -1,0 +1,171 @@
+"""The GRPO flow on a tiny config: stages in order, caching, MLflow content, retries, kill and resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+import rewards
+from flows.config import GRPOConfig, build_config
+from flows.tracking import download_registered_adapter
+
+pytestmark = pytest.mark.model
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["iterations=2", "groups_per_batch=2", "group_size=2", "max_tokens=4", "eval_size=4", "eval_every=0",
+        "sft.steps=1", "sft.batch_size=2"]
+STAGES = ["init_policy", "sft_warm_start", "evaluate"] + ["sample", "score", "compute_advantages", "train"] * 2 + [
+    "evaluate"]
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness():
+        yield
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINTFLOW_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return tmp_path / "home"
+
+
+def tiny(*extra) -> GRPOConfig:
+    return build_config("math", TINY + list(extra))
+
+
+def task_run_names(flow_run_id: str) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return [r.name.rsplit("-", 1)[0]
+            for r in sorted(runs, key=lambda r: r.start_time or r.expected_start_time)]
+
+
+def test_stages_run_in_order_then_a_rerun_is_fully_cached_and_tracked_once(harness, home):
+    from flows.grpo import grpo
+
+    config = tiny("seed=11")
+    first = grpo(config)
+    assert first["tasks_ran"] == len(STAGES) and first["tasks_cached"] == 0
+    assert task_run_names(first["flow_run_id"]) == STAGES
+    second = grpo(config)
+    assert second["tasks_ran"] == 0 and second["tasks_cached"] == len(STAGES)
+    assert second["final_checkpoint_digest"] == first["final_checkpoint_digest"]
+    assert second["mlflow_run_id"] == first["mlflow_run_id"]
+
+    client = MlflowClient(first["mlflow_tracking_uri"])
+    run = client.get_run(first["mlflow_run_id"])
+    assert run.data.params["learning_rate"] == "0.0001" and run.data.params["sft.steps"] == "1"
+    assert run.data.tags["prefect.flow_run_id"] == second["flow_run_id"]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward_mean")] == [1, 2]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_accuracy")] == [0, 2]
+    for key in ("frac_mixed", "frac_all_good", "frac_all_bad", "kl_sample_train", "entropy", "loss",
+                "train_tokens_per_s", "stage_seconds_sample", "reward_std"):
+        assert len(client.get_metric_history(run.info.run_id, key)) == 2, key
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"reward_curve.png", "final_adapter", "checkpoints"} <= artifacts
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")] == ["checkpoints/iter-00002"]
+
+    import mint
+    from mint import types
+
+    adapter = download_registered_adapter("mintflow-math", uri=first["mlflow_tracking_uri"])
+    sampler = mint.ServiceClient(checkpoint_dir=home / "x").create_sampling_client(model_path=adapter)
+    out = sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)).result()
+    assert len(out.sequences[0].tokens) <= 2
+
+
+def test_a_flaky_reward_is_retried(harness, home, monkeypatch):
+    from flows.grpo import grpo
+
+    calls = {"n": 0}
+
+    def flaky(completion, example, **options):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise TimeoutError("judge timed out")
+        return rewards.math_reward(completion, example)
+
+    monkeypatch.setitem(rewards.REWARDS, "flaky", flaky)
+    summary = grpo(tiny("reward=flaky", "iterations=1", "seed=12"))
+    assert summary["tasks_ran"] > 0 and calls["n"] > 4  # the first score attempt failed, the retry scored all
+
+
+def test_a_reward_that_keeps_failing_stops_the_run_naming_the_sample(harness, home, monkeypatch):
+    from flows.grpo import grpo
+
+    def broken(completion, example, **options):
+        raise ValueError("cannot parse")
+
+    monkeypatch.setitem(rewards.REWARDS, "broken", broken)
+    monkeypatch.setattr("tasks.rollouts.score.retry_delay_seconds", [0, 0, 0])
+    monkeypatch.setattr("tasks.rollouts.evaluate.retry_delay_seconds", [0, 0, 0])
+    with pytest.raises(Exception, match=r"reward 'broken' failed on (eval problem|group) 0.* \(problem 'add-"):
+        grpo(tiny("reward=broken", "iterations=1", "seed=13"))
+    checkpoints = list((home / "checkpoints").iterdir())
+    assert len(checkpoints) == 2 and all((c / "manifest.json").is_file() for c in checkpoints)  # init + sft kept
+
+
+@pytest.mark.parametrize("override, field", [
+    ("group_size=1", "group_size"), ("max_tokens=1000000000", "max_tokens"), ("learning_rate=-1", "learning_rate"),
+    ("bogus=1", "bogus"), ("loss_fn=grpo", "loss_fn"), ("sft.steps=0", "sft.steps"), ("reward=nope", "reward"),
+    ("loss_fn_config={clip: 1}", "loss_fn_config"),
+])
+def test_bad_config_values_are_refused_before_any_work_naming_the_field(override, field, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", "math", "--set", override], cwd=ROOT,
+                         capture_output=True, text=True, env={**os.environ, "MINTFLOW_HOME": str(tmp_path)})
+    assert out.returncode != 0 and field in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def _cli(home: Path, *extra) -> subprocess.Popen:
+    args = [sys.executable, "-m", "flows.cli", "run", "math", "--json"]
+    for item in TINY + ["seed=21", *extra]:
+        args += ["--set", item]
+    env = {**os.environ, "MINTFLOW_HOME": str(home), "PREFECT_HOME": str(home / "prefect"),
+           "PREFECT_LOCAL_STORAGE_PATH": str(home / "prefect" / "storage")}
+    env.pop("PREFECT_API_URL", None)
+    home.mkdir(parents=True, exist_ok=True)
+    log = open(home / "stderr.log", "a")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+
+
+def _summary(proc: subprocess.Popen, home: Path) -> dict:
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, (home / "stderr.log").read_text()[-3000:]
+    return json.loads(out[out.index("{"):])
+
+
+def test_kill_9_mid_run_then_rerun_matches_an_uninterrupted_run(tmp_path):
+    reference = _summary(_cli(tmp_path / "reference"), tmp_path / "reference")
+
+    home = tmp_path / "killed"
+    proc = _cli(home)
+    deadline = time.time() + 300
+    while time.time() < deadline:  # kill once the SFT checkpoint and the first train checkpoint exist
+        if (home / "checkpoints").is_dir() and len([p for p in (home / "checkpoints").iterdir()
+                                                      if not p.name.startswith(".")]) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+    resumed = _summary(_cli(home), home)
+    assert resumed["tasks_cached"] >= 4 and resumed["tasks_ran"] < len(STAGES)
+    assert resumed["final_checkpoint_digest"] == reference["final_checkpoint_digest"]
+    assert resumed["final_eval"]["eval_accuracy"] == reference["final_eval"]["eval_accuracy"]
+    assert [h["mean_reward"] for h in resumed["history"]] == [h["mean_reward"] for h in reference["history"]]
+    client = MlflowClient(resumed["mlflow_tracking_uri"])
+    assert [m.step for m in client.get_metric_history(resumed["mlflow_run_id"], "reward_mean")] == [1, 2]
