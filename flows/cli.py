@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the embedded default needs no hub; set 0 to download models
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if os.environ.get("PREFECT_HOME"):  # Prefect creates its home but not the folders above it
+        os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
     parser = argparse.ArgumentParser(prog="mintflow", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -7,12 +7,14 @@ continues; MLflow is logged here, in the flow, from the values the tasks return.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.runtime import flow_run
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from flows.config import GRPOConfig
@@ -67,6 +69,7 @@ def grpo(config: GRPOConfig) -> dict:
     with _progress() as bar:
         job = bar.add_task("GRPO", total=config.iterations, reward="-", accuracy=f"{first['eval_accuracy']:.2f}")
         for iteration in range(1, config.iterations + 1):
+            started = time.perf_counter()
             run.seconds.clear()
             rollouts, sample_metrics = run(sample, policy, dataset=config.dataset,
                                            groups_per_batch=config.groups_per_batch, group_size=config.group_size,
@@ -86,6 +89,7 @@ def grpo(config: GRPOConfig) -> dict:
             tracker.log_step(iteration, _numbers(record))
             if _eval_due(config, iteration):
                 tracker.log_checkpoint(iteration, policy.path)
+            record["iteration_seconds"] = time.perf_counter() - started  # all of it: tasks, Prefect, MLflow
             history.append(record)
             bar.update(job, advance=1, reward=f"{record['reward_mean']:.2f}",
                        accuracy=f"{record.get('eval_accuracy', float('nan')):.2f}" if "eval_accuracy" in record
@@ -95,8 +99,13 @@ def grpo(config: GRPOConfig) -> dict:
     version = tracker.register_adapter(f"mintflow-{config.recipe}", policy.path)
     tracker.finish()
     rows = [{"iteration": h["iteration"], "mean_reward": round(h["reward_mean"], 3) if "reward_mean" in h else None,
-             "eval_accuracy": round(h["eval_accuracy"], 3) if "eval_accuracy" in h else None} for h in history]
-    create_table_artifact(rows, key=f"grpo-{config.recipe}", description=f"GRPO {config.recipe} {config.run_key()}")
+             "eval_accuracy": round(h["eval_accuracy"], 3) if "eval_accuracy" in h else None,
+             "seconds": round(h.get("iteration_seconds", 0.0), 3),
+             "stage_seconds": {k.removeprefix("stage_seconds_"): round(v, 3) for k, v in h.items()
+                               if k.startswith("stage_seconds_")}} for h in history]
+    create_table_artifact([{k: r[k] for k in ("iteration", "mean_reward", "eval_accuracy", "seconds")} for r in rows],
+                          key=re.sub(r"[^a-z0-9-]", "-", f"grpo-{config.recipe}".lower()),
+                          description=f"GRPO {config.recipe}, run {config.run_key()}")
     final_eval = next(h for h in reversed(history) if "eval_accuracy" in h)
     return {"flow_run_id": flow_run.get_id(), "mlflow_run_id": tracker.run_id, "mlflow_tracking_uri": tracker.uri,
             "registered_model": f"mintflow-{config.recipe}", "registered_version": version,
@@ -125,4 +134,5 @@ def _flat_params(config: GRPOConfig) -> dict[str, Any]:
 
 def _progress() -> Progress:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("reward {task.fields[reward]}  eval acc {task.fields[accuracy]}"), TimeElapsedColumn())
+                    TextColumn("reward {task.fields[reward]}  eval acc {task.fields[accuracy]}"), TimeElapsedColumn(),
+                    console=Console(stderr=True))  # stdout stays clean for --json

@@ -36,14 +36,21 @@ def arithmetic(n: int, seed: int) -> list[dict]:
     return [_addition(*train[rng.randrange(len(train))]) for _ in range(n)]
 
 
+HUB_DATASETS = {"gsm8k": ("openai/gsm8k", "main", "train"), "math": ("HuggingFaceH4/MATH-500", None, "test")}
+
+
 def _hub(name: str) -> list[dict]:
     from datasets import load_dataset
 
+    repo, subset, split = HUB_DATASETS[name]
+    try:
+        rows = load_dataset(repo, subset, split=split)
+    except Exception as e:  # offline and not in the local HF cache, most often
+        raise ValueError(f"dataset: could not load {repo!r} from the hub or the local HF cache "
+                         f"({type(e).__name__}: {str(e)[:200]}); offline, pass a .jsonl path instead") from None
     if name == "gsm8k":
-        rows = load_dataset("openai/gsm8k", "main", split="train")
         return [{"id": f"gsm8k-{i}", "question": r["question"], "answer": r["answer"].split("####")[-1].strip()}
                 for i, r in enumerate(rows)]
-    rows = load_dataset("HuggingFaceH4/MATH-500", split="test")
     return [{"id": f"math-{i}", "question": r["problem"], "answer": r["answer"]} for i, r in enumerate(rows)]
 
 
@@ -65,7 +72,7 @@ def load_pool(dataset: str) -> list[dict] | None:
     """All problems of a finite dataset, or None for a generator."""
     if dataset == "arithmetic":
         return None
-    if dataset in ("gsm8k", "math"):
+    if dataset in HUB_DATASETS:
         return _hub(dataset)
     path = Path(dataset).expanduser()
     if path.suffix == ".jsonl" and path.is_file():

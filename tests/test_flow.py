@@ -169,3 +169,14 @@ def test_kill_9_mid_run_then_rerun_matches_an_uninterrupted_run(tmp_path):
     assert [h["mean_reward"] for h in resumed["history"]] == [h["mean_reward"] for h in reference["history"]]
     client = MlflowClient(resumed["mlflow_tracking_uri"])
     assert [m.step for m in client.get_metric_history(resumed["mlflow_run_id"], "reward_mean")] == [1, 2]
+
+
+def test_eval_command_scores_a_checkpoint(service, tmp_path):
+    path = service.create_lora_training_client("HuggingFaceTB/SmolLM2-135M-Instruct", rank=16, seed=0) \
+        .save_state(str(tmp_path / "policy")).result().path
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "eval", path, "--recipe", "math", "--set", "eval_size=4",
+                          "--set", "max_tokens=8", "--json"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "MINTFLOW_HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    metrics = json.loads(out.stdout)
+    assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and metrics["eval_accuracy"] * 4 == int(metrics["eval_accuracy"] * 4)
