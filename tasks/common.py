@@ -154,3 +154,8 @@ def retry_on_transient(task, task_run, state) -> bool:
     except Exception as exc:  # the task's own exception
         return is_transient(exc)
     return False
+
+
+# Task options: compute stages retry only transient errors; reward stages (judges, sandboxes) retry any error.
+TRANSIENT_RETRIES = dict(retries=2, retry_delay_seconds=[2, 8], retry_condition_fn=retry_on_transient)
+REWARD_RETRIES = dict(retries=3, retry_delay_seconds=[1, 2, 4])

@@ -10,25 +10,24 @@ from prefect import task
 from mint import grpo, types
 from rewards import datasets, get_reward
 from tasks.common import (
+    REWARD_RETRIES,
+    TRANSIENT_RETRIES,
     Artifact,
     content_key,
     derived_seed,
     read_json,
     render_prompt,
-    retry_on_transient,
     service,
     task_cache_key,
     write_json,
 )
-
-TRANSIENT = dict(retries=2, retry_delay_seconds=[2, 8], retry_condition_fn=retry_on_transient)
 
 
 class RewardError(RuntimeError):
     """A reward function failed on a sample (named in the message)."""
 
 
-@task(name="sample", cache_key_fn=task_cache_key, persist_result=True, **TRANSIENT)
+@task(name="sample", cache_key_fn=task_cache_key, persist_result=True, **TRANSIENT_RETRIES)
 def sample(policy: Artifact, dataset: str, groups_per_batch: int, group_size: int, max_tokens: int,
            temperature: float, seed: int, iteration: int) -> tuple[Artifact, dict]:
     """``group_size`` samples for each of ``groups_per_batch`` training problems, from the policy checkpoint."""
@@ -55,8 +54,6 @@ def sample(policy: Artifact, dataset: str, groups_per_batch: int, group_size: in
                                                                "sample_tokens_per_s": tokens / max(seconds, 1e-9)}
 
 
-# Rewards may call judges and sandboxes, which fail transiently: retried with backoff, bounded.
-REWARD_RETRIES = dict(retries=3, retry_delay_seconds=[1, 2, 4])
 
 
 @task(name="score", cache_key_fn=task_cache_key, persist_result=True, **REWARD_RETRIES)
@@ -77,7 +74,7 @@ def _reward(reward_fn, name: str, text: str, problem: dict, options: dict, where
                           f"{text[:80]!r}): {type(e).__name__}: {e}") from e
 
 
-@task(name="compute_advantages", cache_key_fn=task_cache_key, persist_result=True, **TRANSIENT)
+@task(name="compute_advantages", cache_key_fn=task_cache_key, persist_result=True, **TRANSIENT_RETRIES)
 def compute_advantages(rollouts: Artifact, rewards: list[list[float]], base_model: str, kl_penalty_coef: float,
                        remove_constant_reward_groups: bool) -> tuple[Artifact, dict]:
     """GRPO datums: advantage = reward - group mean; KL to the base model folded in when the coefficient > 0."""

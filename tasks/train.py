@@ -10,6 +10,7 @@ from prefect import task
 from mint import types
 from rewards import datasets
 from tasks.common import (
+    TRANSIENT_RETRIES,
     Artifact,
     checkpoint_artifact,
     checkpoint_dir,
@@ -17,16 +18,13 @@ from tasks.common import (
     derived_seed,
     read_json,
     render_prompt,
-    retry_on_transient,
     service,
     task_cache_key,
     trainer,
 )
 
-TRANSIENT = dict(retries=2, retry_delay_seconds=[2, 8], retry_condition_fn=retry_on_transient)
 
-
-@task(name="init_policy", cache_key_fn=task_cache_key, persist_result=True, **TRANSIENT)
+@task(name="init_policy", cache_key_fn=task_cache_key, persist_result=True, **TRANSIENT_RETRIES)
 def init_policy(base_model: str, rank: int, train_unembed: bool, seed: int) -> Artifact:
     """A fresh LoRA adapter (B = 0, so the policy starts as the base model), seeded."""
     key = content_key("init_policy", dict(base_model=base_model, rank=rank, train_unembed=train_unembed, seed=seed))
@@ -34,7 +32,7 @@ def init_policy(base_model: str, rank: int, train_unembed: bool, seed: int) -> A
     return checkpoint_artifact(fresh.save_state(str(checkpoint_dir(key))).result().path)
 
 
-@task(name="sft_warm_start", cache_key_fn=task_cache_key, persist_result=True, **TRANSIENT)
+@task(name="sft_warm_start", cache_key_fn=task_cache_key, persist_result=True, **TRANSIENT_RETRIES)
 def sft_warm_start(policy: Artifact, base_model: str, rank: int, train_unembed: bool, dataset: str, steps: int,
                    batch_size: int, learning_rate: float, seed: int) -> tuple[Artifact, dict]:
     """Supervised warm start: cross-entropy on demonstrations (the reference answer after the prompt)."""
@@ -66,7 +64,7 @@ def sft_warm_start(policy: Artifact, base_model: str, rank: int, train_unembed: 
                                        "sft_seconds": time.perf_counter() - start}
 
 
-@task(name="train", cache_key_fn=task_cache_key, persist_result=True, **TRANSIENT)
+@task(name="train", cache_key_fn=task_cache_key, persist_result=True, **TRANSIENT_RETRIES)
 def train(policy: Artifact, batch: Artifact, base_model: str, rank: int, train_unembed: bool, loss_fn: str,
           loss_fn_config: dict, learning_rate: float, grad_clip_norm: float, iteration: int) -> tuple[Artifact, dict]:
     """One optimizer step of ``loss_fn`` on the batch's datums, from ``policy``; returns the new checkpoint."""
