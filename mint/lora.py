@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
-from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from peft.utils import get_peft_model_state_dict
 
 from mint.models import BaseModel
 
@@ -98,21 +98,16 @@ def adapter_parameters(base: BaseModel, adapter: str) -> list[torch.nn.Parameter
     return [p for n, p in base.model.named_parameters() if marker in n + "."]
 
 
-def adapter_state(base: BaseModel, adapter: str) -> dict[str, torch.Tensor]:
+def adapter_state_keys(base: BaseModel, adapter: str) -> list[str]:
+    """peft's state-dict key of each tensor of ``adapter_parameters`` (same order)."""
+    marker = f".{adapter}."
+    keys = ["base_model.model." + n.replace(marker, ".") for n, _ in base.model.named_parameters()
+            if marker in n + "."]
     with base.lock:
-        # The unembedding is tied to the (frozen) embedding: save only the LoRA tensors, not a 28M-row copy.
-        state = get_peft_model_state_dict(base.peft_model, adapter_name=adapter, save_embedding_layers=False)
-        return {k: v.detach().clone().contiguous() for k, v in state.items()}
-
-
-def load_adapter_state(base: BaseModel, adapter: str, state: dict[str, torch.Tensor]) -> None:
-    with base.lock:
-        result = set_peft_model_state_dict(base.peft_model, state, adapter_name=adapter)
-        missing = [k for k in getattr(result, "missing_keys", []) if f".{adapter}." in k]
-        unexpected = list(getattr(result, "unexpected_keys", []))
-        if missing or unexpected:
-            raise ValueError(
-                f"checkpoint does not fit this adapter: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        expected = set(get_peft_model_state_dict(base.peft_model, adapter_name=adapter, save_embedding_layers=False))
+    if set(keys) != expected:
+        raise RuntimeError(f"peft state keys changed layout: {sorted(set(keys) ^ expected)[:3]}")
+    return keys
 
 
 def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -133,3 +128,64 @@ def token_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.T
         picked = logits.gather(-1, targets[start:start + chunk, None]).squeeze(-1)
         out.append(picked - torch.logsumexp(logits, dim=-1))
     return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
+
+
+class MergedAdapter:
+    """A LoRA adapter for sampling, as weight deltas merged into a plain copy of the base model.
+
+    Decoding runs one token at a time, where peft's per-layer LoRA ops (casts, two skinny
+    matmuls, an add, in 200+ layers) cost more than the base matmuls themselves. Merging
+    ``W + scale * B @ A`` (computed in float32) into a sampling copy of the model makes
+    decoding run at base-model speed; switching adapters rewrites only the adapted layers.
+    """
+
+    def __init__(self, state: dict[str, torch.Tensor], config: LoraConfig):
+        scale = config.lora_alpha / config.r
+        self.deltas: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        for key, tensor in state.items():
+            if key.endswith(".lora_A.weight"):
+                module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                b = state[key.replace(".lora_A.weight", ".lora_B.weight")]
+                self.deltas[module] = (tensor.float(), b.float(), scale)
+        if not self.deltas:
+            raise ValueError("adapter state holds no LoRA tensors")
+
+
+def _base_weight(model: torch.nn.Module, module: str) -> torch.Tensor:
+    layer = model.get_submodule(module)
+    return (layer.base_layer if isinstance(layer, BaseTunerLayer) else layer).weight
+
+
+def sampling_model(base: BaseModel) -> torch.nn.Module:
+    """The plain (never peft-wrapped) copy of the base model that merged adapters are written into."""
+    if base.sampling_model is None:
+        from transformers import AutoModelForCausalLM
+
+        copy = AutoModelForCausalLM.from_pretrained(base.weights, dtype=base.dtype).to(base.device)
+        copy.eval()
+        copy.requires_grad_(False)
+        head, embed = copy.get_output_embeddings(), copy.get_input_embeddings()
+        if head is not None and embed is not None and head.weight is embed.weight:
+            head.weight = torch.nn.Parameter(embed.weight.detach().clone(), requires_grad=False)  # untie: the head
+        base.sampling_model = copy                                                             # may get a delta
+    return base.sampling_model
+
+
+@contextlib.contextmanager
+def merged(base: BaseModel, adapter: MergedAdapter | None) -> Iterator[torch.nn.Module]:
+    """Run with ``adapter`` merged into the sampling copy (None = the base weights); yields that model."""
+    with base.lock, torch.no_grad():
+        model = sampling_model(base)
+        if base.merged_adapter is not adapter:
+            previous = base.merged_adapter.deltas if base.merged_adapter is not None else {}
+            wanted = adapter.deltas if adapter is not None else {}
+            for module in set(previous) | set(wanted):
+                weight = model.get_submodule(module).weight
+                original = _base_weight(base.model, module)
+                if module in wanted:
+                    a, b, scale = wanted[module]
+                    weight.copy_((original.float() + scale * (b @ a).to(original.device)).to(weight.dtype))
+                else:
+                    weight.copy_(original)
+            base.merged_adapter = adapter
+        yield model

@@ -181,6 +181,8 @@ class BaseModel:
     lock: threading.RLock = field(default_factory=threading.RLock)
     peft_model: object | None = None
     active_adapter: str | None = None
+    sampling_model: torch.nn.Module | None = None  # see mint.lora.merged
+    merged_adapter: object | None = None
 
     @property
     def vocab_size(self) -> int:

@@ -19,7 +19,6 @@ import concurrent.futures
 import inspect
 import os
 import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -47,17 +46,15 @@ class _Request:
 
 
 class SamplingClient:
-    """Samples from a base model, optionally with a LoRA adapter loaded from ``model_path``."""
+    """Samples from a base model, optionally with a LoRA adapter (merged into a sampling copy of the model)."""
 
-    def __init__(self, base: BaseModel, adapter: str | None = None, model_path: str | None = None):
+    def __init__(self, base: BaseModel, adapter: lora.MergedAdapter | None = None, model_path: str | None = None):
         self.base = base
         self.adapter = adapter
         self.model_path = model_path
         self._pending: list[_Request] = []
         self._queue_lock = threading.Lock()
         self._run_lock = threading.Lock()
-        if adapter is not None:
-            weakref.finalize(self, lora.delete_adapter, base, adapter)
 
     def get_tokenizer(self):
         return self.base.tokenizer
@@ -102,7 +99,7 @@ class SamplingClient:
         tokens = self._check_prompt(prompt)
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            with torch.inference_mode(), lora.active(self.base, self.adapter) as model:
+            with lora.merged(self.base, self.adapter) as model, torch.inference_mode():
                 body, head = lora.decoder_and_head(model)
                 ids = torch.tensor([tokens], device=self.base.device)
                 hidden = body(input_ids=ids).last_hidden_state[0, :-1]
@@ -135,7 +132,7 @@ class SamplingClient:
             if not requests:
                 return
             try:
-                with torch.inference_mode(), lora.active(self.base, self.adapter) as model:
+                with lora.merged(self.base, self.adapter) as model, torch.inference_mode():
                     responses = _generate(model, self.base, requests)
             except BaseException as e:
                 for r in requests:

@@ -70,10 +70,8 @@ class ServiceClient:
         if base_model is not None and base_model != saved_base:
             raise CheckpointError(f"model_path {model_path!r} was trained on {saved_base!r}, not {base_model!r}")
         base = self._base(saved_base)
-        config = LoraConfig.from_pretrained(model_path)
-        adapter = lora.add_adapter(base, config, "sampler")
-        with torch.no_grad():
-            lora.load_adapter_state(base, adapter, load_file(str(Path(model_path) / ADAPTER_WEIGHTS)))
+        adapter = lora.MergedAdapter(load_file(str(Path(model_path) / ADAPTER_WEIGHTS)),
+                                     LoraConfig.from_pretrained(model_path))
         return SamplingClient(base, adapter=adapter, model_path=str(model_path))
 
     def get_server_capabilities(self) -> dict:

@@ -113,6 +113,16 @@ class TrainingClient:
         self._lora_config = lora.lora_config(base, rank, lora_alpha, train_mlp, train_attn, train_unembed)
         self.adapter = lora.add_adapter(base, self._lora_config, "train", seed)
         self._params = lora.adapter_parameters(base, self.adapter)
+        # Mixed precision: with a bf16 base, the adapter computes in bf16 (peft's float32 adapters spend
+        # half of a training step on casts), while Adam updates float32 master copies, which checkpoints hold.
+        self._state_keys = lora.adapter_state_keys(base, self.adapter)
+        if base.dtype == torch.float32:
+            self._master = self._params
+        else:
+            self._master = [p.detach().float().clone() for p in self._params]
+            with torch.no_grad():
+                for p in self._params:
+                    p.data = p.data.to(base.dtype)
         self._optimizer: torch.optim.Optimizer | None = None
         self.step = 0
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mint-train")
@@ -269,12 +279,16 @@ class TrainingClient:
             metrics={"loss:sum": float(loss.detach()), **{k: float(v) for k, v in (metrics or {}).items()}})
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self._params, lr=0.0, foreach=True)
+        return torch.optim.AdamW(self._master, lr=0.0, foreach=True)
 
     def _run_optim_step(self, adam: AdamParams) -> OptimStepResponse:
         if self._optimizer is None:
             self._optimizer = self._make_optimizer()
-        grads = [p.grad for p in self._params if p.grad is not None]
+        if self._master is not self._params:
+            for master, p in zip(self._master, self._params):
+                master.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+        grads = [p.grad for p in self._master if p.grad is not None]
         grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) \
             if grads else 0.0
         if not math.isfinite(grad_norm):
@@ -288,9 +302,15 @@ class TrainingClient:
                          weight_decay=adam.weight_decay)
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
+        self._copy_master_to_model()
         self.step += 1
         return OptimStepResponse(metrics={"grad_norm": grad_norm, "learning_rate": adam.learning_rate,
                                           "step": float(self.step)})
+
+    def _copy_master_to_model(self) -> None:
+        if self._master is not self._params:
+            with torch.no_grad():
+                torch._foreach_copy_(self._params, self._master)
 
     def _checkpoint_path(self, name: str) -> Path:
         if not isinstance(name, str) or not name.strip():
@@ -303,7 +323,7 @@ class TrainingClient:
         return self._checkpoint_dir / path
 
     def _run_save(self, path: Path, with_optimizer: bool) -> SaveWeightsResponse:
-        state = lora.adapter_state(self.base, self.adapter)
+        state = {key: m.detach().clone().contiguous() for key, m in zip(self._state_keys, self._master)}
         optimizer_state = self._optimizer.state_dict() if (with_optimizer and self._optimizer) else None
 
         def write(folder: Path) -> None:
@@ -338,9 +358,14 @@ class TrainingClient:
             if saved["optimizer"] is not None:
                 optimizer = self._make_optimizer()
                 optimizer.load_state_dict(saved["optimizer"])
+        missing = set(self._state_keys) ^ set(state)
+        if missing:
+            raise CheckpointError(f"checkpoint {str(path)!r} does not fit this adapter: {sorted(missing)[:3]}")
         with torch.no_grad():
-            lora.load_adapter_state(self.base, self.adapter, state)
-        for p in self._params:
+            for key, master in zip(self._state_keys, self._master):
+                master.copy_(state[key])
+        self._copy_master_to_model()
+        for p in [*self._params, *self._master]:
             p.grad = None
         self._optimizer = optimizer
         self.step = int(manifest.get("step", 0))

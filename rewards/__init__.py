@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rewards.math import math_reward
+from rewards.math import last_integer_reward, math_reward
 
 RewardFn = Callable[..., float]
 
-REWARDS: dict[str, RewardFn] = {"math": math_reward}
+REWARDS: dict[str, RewardFn] = {"math": math_reward, "last_integer": last_integer_reward}
 
 
 def get_reward(name: str) -> RewardFn:

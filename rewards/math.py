@@ -66,3 +66,9 @@ def math_reward(completion: str, example: dict, format_bonus: float = 0.0) -> fl
     if format_bonus and how in ("boxed", "answer", "whole"):
         score += format_bonus
     return score
+
+
+def last_integer_reward(completion: str, example: dict) -> float:
+    """1 if the last integer in the reply equals the answer: the reference job's reward (issue 4)."""
+    numbers = re.findall(r"-?\d+", completion)
+    return float(bool(numbers) and numbers[-1] == str(example["answer"]).strip())

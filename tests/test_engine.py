@@ -118,6 +118,9 @@ print(json.dumps(tc.forward([datum], "cross_entropy").result().metrics))
 def test_sampler_logprobs_agree_with_the_training_forward(request, tokenizer, dtype_service, bound):
     service = request.getfixturevalue(dtype_service)
     tc = service.create_lora_training_client(EMBEDDED, rank=4, seed=0)
+    for _ in range(2):  # move the adapter away from B = 0, so the LoRA path matters
+        tc.forward_backward([sft_datum(tokenizer, q, a) for q, a in QA], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     sampler = tc.save_weights_and_get_sampling_client("agree")
     prompts = [chat_prompt(tokenizer, f"What is {a} + {b}?") for a, b in [(3, 4), (12, 9)]]
     params = types.SamplingParams(max_tokens=12, temperature=1.0, seed=0)
