@@ -17,7 +17,7 @@ from mint.checkpoints import CheckpointError, read_manifest
 from mint.lora import DEFAULT_LORA_ALPHA
 from mint.models import cache_dir, load_base_model
 from mint.sampling import SamplingClient
-from mint.training import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TrainingClient
+from mint.training import ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER_STATE, TrainingClient
 
 
 class ServiceClient:
@@ -55,7 +55,7 @@ class ServiceClient:
             manifest["base_model"], rank=manifest["rank"], lora_alpha=config["lora_alpha"],
             train_mlp=bool(targets & set(lora.MLP_MODULES)), train_attn=bool(targets & set(lora.ATTN_MODULES)),
             train_unembed=bool(targets & set(lora.UNEMBED_MODULES)))
-        load = client.load_state_with_optimizer if "optimizer.pt" in manifest["files"] else client.load_state
+        load = client.load_state_with_optimizer if OPTIMIZER_STATE in manifest["files"] else client.load_state
         load(path).result()
         return client
 

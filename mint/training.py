@@ -38,7 +38,10 @@ from mint.types import (
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-OPTIMIZER_STATE = "optimizer.pt"
+# Adam state as safetensors + JSON, not a pickle: loading runs no code, and equal states give equal bytes
+# (torch.save's pickle depends on storage sharing), so content-addressed checkpoints compare exactly.
+OPTIMIZER_STATE = "optimizer.json"
+OPTIMIZER_TENSORS = "optimizer.safetensors"
 KNOWN_INPUTS = ("target_tokens", "weights", "logprobs", "advantages")
 
 CustomLossFn = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
@@ -260,7 +263,7 @@ class TrainingClient:
         with torch.set_grad_enabled(backward):
             lp = self._target_logprobs(batch, None if weights is None else weights != 0)
             loss = fn(lp, inputs, config)
-            if backward:
+            if backward and loss.requires_grad:  # all weights 0: the loss is a constant, nothing to accumulate
                 loss.backward()
         lp = lp.detach().cpu()
         return ForwardBackwardOutput(
@@ -333,7 +336,14 @@ class TrainingClient:
             config["target_modules"] = sorted(config["target_modules"])
             (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
             if with_optimizer:
-                torch.save({"optimizer": optimizer_state, "step": self.step}, folder / OPTIMIZER_STATE)
+                groups = None
+                if optimizer_state is not None:
+                    save_file({f"{i}.{name}": value.detach().clone().contiguous()
+                               for i, values in optimizer_state["state"].items() for name, value in values.items()},
+                              str(folder / OPTIMIZER_TENSORS))
+                    groups = optimizer_state["param_groups"]
+                (folder / OPTIMIZER_STATE).write_text(json.dumps({"param_groups": groups, "step": self.step},
+                                                                 sort_keys=True))
 
         meta = {"kind": "state" if with_optimizer else "sampler", "base_model": self.base.name,
                 "rank": self.rank, "step": self.step}
@@ -351,19 +361,23 @@ class TrainingClient:
         return manifest
 
     def _run_load(self, path: Path, manifest: dict, with_optimizer: bool) -> LoadWeightsResponse:
-        state = load_file(str(path / ADAPTER_WEIGHTS))
+        weights = load_file(str(path / ADAPTER_WEIGHTS))
         optimizer = None
         if with_optimizer:
-            saved = torch.load(path / OPTIMIZER_STATE, map_location=self.base.device, weights_only=True)
-            if saved["optimizer"] is not None:
+            saved = json.loads((path / OPTIMIZER_STATE).read_text())
+            if saved["param_groups"] is not None:
+                state: dict[int, dict[str, torch.Tensor]] = {}
+                for key, value in load_file(str(path / OPTIMIZER_TENSORS), device=str(self.base.device)).items():
+                    index, name = key.split(".", 1)
+                    state.setdefault(int(index), {})[name] = value
                 optimizer = self._make_optimizer()
-                optimizer.load_state_dict(saved["optimizer"])
-        missing = set(self._state_keys) ^ set(state)
+                optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+        missing = set(self._state_keys) ^ set(weights)
         if missing:
             raise CheckpointError(f"checkpoint {str(path)!r} does not fit this adapter: {sorted(missing)[:3]}")
         with torch.no_grad():
             for key, master in zip(self._state_keys, self._master):
-                master.copy_(state[key])
+                master.copy_(weights[key])
         self._copy_master_to_model()
         for p in [*self._params, *self._master]:
             p.grad = None

@@ -123,6 +123,9 @@ def service() -> mint.ServiceClient:
         return _service
 
 
+_holds: dict[int, str] = {}  # id(training client) -> digest of the checkpoint its state equals
+
+
 def trainer(base_model: str, rank: int, train_unembed: bool) -> mint.TrainingClient:
     """A warm training client per LoRA shape; tasks load their input checkpoint into it."""
     key = (base_model, rank, train_unembed)
@@ -131,6 +134,28 @@ def trainer(base_model: str, rank: int, train_unembed: bool) -> mint.TrainingCli
             _trainers[key] = service().create_lora_training_client(base_model, rank=rank, seed=0,
                                                                    train_unembed=train_unembed)
         return _trainers[key]
+
+
+def resume_from(client: mint.TrainingClient, policy: Artifact) -> None:
+    """Put ``policy`` (weights and Adam state) into the warm client.
+
+    Skipped when the client already holds exactly that checkpoint, because it saved it
+    in the previous task: the loop then never reads back what it just wrote.
+    """
+    if _holds.pop(id(client), None) != policy.digest:  # popped: the caller is about to change the state
+        client.load_state_with_optimizer(policy.path).result()
+
+
+def forget(client: mint.TrainingClient) -> None:
+    """The client's state is about to change: it no longer equals any saved checkpoint."""
+    _holds.pop(id(client), None)
+
+
+def save_from(client: mint.TrainingClient, key: str) -> Artifact:
+    """Save the client's state as the content-addressed checkpoint ``key``, and remember that it holds it."""
+    artifact = checkpoint_artifact(client.save_state(str(checkpoint_dir(key))).result().path)
+    _holds[id(client)] = artifact.digest
+    return artifact
 
 
 def render_prompt(tokenizer, question: str) -> list[int]:

@@ -16,8 +16,11 @@ from tasks.common import (
     checkpoint_dir,
     content_key,
     derived_seed,
+    forget,
     read_json,
     render_prompt,
+    resume_from,
+    save_from,
     service,
     task_cache_key,
     trainer,
@@ -40,6 +43,7 @@ def sft_warm_start(policy: Artifact, base_model: str, rank: int, train_unembed: 
                                              steps=steps, batch_size=batch_size, learning_rate=learning_rate,
                                              seed=seed, train_unembed=train_unembed))
     client = trainer(base_model, rank, train_unembed)
+    forget(client)
     client.load_state(policy.path).result()  # fresh optimizer for the SFT stage
     tokenizer = client.get_tokenizer()
     adam = types.AdamParams(learning_rate=learning_rate, grad_clip_norm=1.0)
@@ -58,8 +62,7 @@ def sft_warm_start(policy: Artifact, base_model: str, rank: int, train_unembed: 
         out = client.forward_backward(data, "cross_entropy").result()
         client.optim_step(adam).result()
         losses.append(out.metrics["loss:sum"] / sum(sum(d.loss_fn_inputs["weights"].data) for d in data))
-    path = client.save_state(str(checkpoint_dir(key))).result().path
-    return checkpoint_artifact(path), {"sft_loss_first": losses[0] if losses else 0.0,
+    return save_from(client, key), {"sft_loss_first": losses[0] if losses else 0.0,
                                        "sft_loss_last": losses[-1] if losses else 0.0,
                                        "sft_seconds": time.perf_counter() - start}
 
@@ -73,7 +76,7 @@ def train(policy: Artifact, batch: Artifact, base_model: str, rank: int, train_u
                                     learning_rate=learning_rate, grad_clip_norm=grad_clip_norm, iteration=iteration))
     datums = [types.Datum.model_validate(d) for d in read_json(batch)["datums"]]
     client = trainer(base_model, rank, train_unembed)
-    client.load_state_with_optimizer(policy.path).result()
+    resume_from(client, policy)
     start = time.perf_counter()
     metrics: dict[str, float] = {}
     if datums:
@@ -88,5 +91,4 @@ def train(policy: Artifact, batch: Artifact, base_model: str, rank: int, train_u
                    "entropy": float(-sampler.mean()), "train_tokens": tokens}
     seconds = time.perf_counter() - start
     metrics.update(train_seconds=seconds, train_tokens_per_s=metrics.get("train_tokens", 0) / max(seconds, 1e-9))
-    path = client.save_state(str(checkpoint_dir(key))).result().path
-    return checkpoint_artifact(path), metrics
+    return save_from(client, key), metrics

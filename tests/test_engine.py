@@ -55,6 +55,15 @@ def test_gradients_accumulate_across_calls_until_optim_step(service_fp32, tokeni
     assert all(p.grad is None for p in split._params)
 
 
+def test_a_batch_with_all_weights_zero_adds_no_gradient(service, tokenizer):
+    tc = service.create_lora_training_client(EMBEDDED, rank=4, seed=0)
+    datum = sft_datum(tokenizer, *QA[0])
+    masked = types.Datum(model_input=datum.model_input, loss_fn_inputs={
+        "target_tokens": datum.loss_fn_inputs["target_tokens"], "weights": [0.0] * datum.model_input.length})
+    out = tc.forward_backward([masked], "cross_entropy").result()
+    assert out.metrics["loss:sum"] == 0.0 and all(p.grad is None for p in tc._params)
+
+
 def test_optim_step_clips_and_reports_the_gradient_norm(service, tokenizer):
     tc = service.create_lora_training_client(EMBEDDED, rank=4, seed=0)
     tc.forward_backward([sft_datum(tokenizer, q, a) for q, a in QA], "cross_entropy").result()
