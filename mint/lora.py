@@ -1,8 +1,9 @@
-"""LoRA adapters on a shared base model (peft), and the forward pass both clients use.
+"""LoRA on a shared base model, for training (peft) and for sampling (merged), and the logprob head.
 
-All clients of a process share one base model; each holds its own named peft
-adapter on it (like vLLM's multi-LoRA), so a sampling client is a few MB, not a
-copy of the model. The adapter to run is picked under the base model's lock.
+All clients of a process share one base model. Each training client holds its own named
+peft adapter on it; the adapter to run is picked under the base model's lock. Sampling
+clients hold only their LoRA tensors, merged on demand into one plain sampling copy of
+the model (``merged``), so a sampling client costs a few MB.
 """
 
 from __future__ import annotations
