@@ -91,9 +91,9 @@ def grpo(config: GRPOConfig) -> dict:
                 tracker.log_checkpoint(iteration, policy.path)
             record["iteration_seconds"] = time.perf_counter() - started  # all of it: tasks, Prefect, MLflow
             history.append(record)
+            accuracy = f"{record['eval_accuracy']:.2f}" if "eval_accuracy" in record else None
             bar.update(job, advance=1, reward=f"{record['reward_mean']:.2f}",
-                       accuracy=f"{record.get('eval_accuracy', float('nan')):.2f}" if "eval_accuracy" in record
-                       else bar.tasks[job].fields["accuracy"])
+                       **({"accuracy": accuracy} if accuracy else {}))
 
     tracker.log_curves(history)
     version = tracker.register_adapter(f"mintflow-{config.recipe}", policy.path)
