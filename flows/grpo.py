@@ -47,57 +47,57 @@ class StageRunner:
 def grpo(config: GRPOConfig) -> dict:
     logger = get_run_logger()
     run = StageRunner()
-    tracker = Tracker(data_dir(), f"mintflow-{config.recipe}", config.run_key(), f"{config.recipe}-{config.run_key()}",
-                      _flat_params(config), flow_run.get_id())
-    lora = dict(base_model=config.base_model, rank=config.rank, train_unembed=config.train_unembed)
-    evaluate_args = dict(dataset=config.dataset, eval_size=config.eval_size, max_tokens=config.max_tokens,
-                         reward=config.reward, reward_options=config.reward_options)
+    with Tracker(data_dir(), f"mintflow-{config.recipe}", config.run_key(), f"{config.recipe}-{config.run_key()}",
+                 _flat_params(config), flow_run.get_id()) as tracker:
+        lora = dict(base_model=config.base_model, rank=config.rank, train_unembed=config.train_unembed)
+        evaluate_args = dict(dataset=config.dataset, eval_size=config.eval_size, max_tokens=config.max_tokens,
+                             reward=config.reward, reward_options=config.reward_options)
 
-    policy = run(init_policy, seed=config.seed, **lora)
-    history: list[dict] = []
-    first = {"iteration": 0}
-    if config.sft:
-        policy, sft_metrics = run(sft_warm_start, policy, dataset=config.sft.dataset, steps=config.sft.steps,
-                                  batch_size=config.sft.batch_size, learning_rate=config.sft.learning_rate,
-                                  seed=config.seed, **lora)
-        first.update(sft_metrics)
-    first.update(run(evaluate, policy, **evaluate_args))
-    tracker.log_step(0, _numbers(first))
-    history.append(first)
-    logger.info("iteration 0: held-out accuracy %.2f", first["eval_accuracy"])
+        policy = run(init_policy, seed=config.seed, **lora)
+        history: list[dict] = []
+        first = {"iteration": 0}
+        if config.sft:
+            policy, sft_metrics = run(sft_warm_start, policy, dataset=config.sft.dataset, steps=config.sft.steps,
+                                      batch_size=config.sft.batch_size, learning_rate=config.sft.learning_rate,
+                                      seed=config.seed, **lora)
+            first.update(sft_metrics)
+        first.update(run(evaluate, policy, **evaluate_args))
+        tracker.log_step(0, _numbers(first))
+        history.append(first)
+        logger.info("iteration 0: held-out accuracy %.2f", first["eval_accuracy"])
 
-    with _progress() as bar:
-        job = bar.add_task("GRPO", total=config.iterations, reward="-", accuracy=f"{first['eval_accuracy']:.2f}")
-        for iteration in range(1, config.iterations + 1):
-            started = time.perf_counter()
-            run.seconds.clear()
-            rollouts, sample_metrics = run(sample, policy, dataset=config.dataset,
-                                           groups_per_batch=config.groups_per_batch, group_size=config.group_size,
-                                           max_tokens=config.max_tokens, temperature=config.temperature,
-                                           seed=config.seed, iteration=iteration)
-            rewards = run(score, rollouts, reward=config.reward, reward_options=config.reward_options)
-            batch, batch_metrics = run(compute_advantages, rollouts, rewards, base_model=config.base_model,
-                                       kl_penalty_coef=config.kl_penalty_coef,
-                                       remove_constant_reward_groups=config.remove_constant_reward_groups)
-            policy, train_metrics = run(train, policy, batch, loss_fn=config.loss_fn,
-                                        loss_fn_config=config.loss_fn_config, learning_rate=config.learning_rate,
-                                        grad_clip_norm=config.grad_clip_norm, iteration=iteration, **lora)
-            record = {"iteration": iteration, **sample_metrics, **batch_metrics, **train_metrics}
-            if _eval_due(config, iteration):
-                record.update(run(evaluate, policy, **evaluate_args))
-            record.update({f"stage_seconds_{name}": s for name, s in run.seconds.items()})
-            tracker.log_step(iteration, _numbers(record))
-            if _eval_due(config, iteration):
-                tracker.log_checkpoint(iteration, policy.path)
-            record["iteration_seconds"] = time.perf_counter() - started  # all of it: tasks, Prefect, MLflow
-            history.append(record)
-            accuracy = f"{record['eval_accuracy']:.2f}" if "eval_accuracy" in record else None
-            bar.update(job, advance=1, reward=f"{record['reward_mean']:.2f}",
-                       **({"accuracy": accuracy} if accuracy else {}))
+        with _progress() as bar:
+            job = bar.add_task("GRPO", total=config.iterations, reward="-", accuracy=f"{first['eval_accuracy']:.2f}")
+            for iteration in range(1, config.iterations + 1):
+                started = time.perf_counter()
+                run.seconds.clear()
+                rollouts, sample_metrics = run(sample, policy, dataset=config.dataset,
+                                               groups_per_batch=config.groups_per_batch, group_size=config.group_size,
+                                               max_tokens=config.max_tokens, temperature=config.temperature,
+                                               seed=config.seed, iteration=iteration)
+                rewards = run(score, rollouts, reward=config.reward, reward_options=config.reward_options)
+                batch, batch_metrics = run(compute_advantages, rollouts, rewards, base_model=config.base_model,
+                                           kl_penalty_coef=config.kl_penalty_coef,
+                                           remove_constant_reward_groups=config.remove_constant_reward_groups)
+                policy, train_metrics = run(train, policy, batch, loss_fn=config.loss_fn,
+                                            loss_fn_config=config.loss_fn_config, learning_rate=config.learning_rate,
+                                            grad_clip_norm=config.grad_clip_norm, iteration=iteration, **lora)
+                record = {"iteration": iteration, **sample_metrics, **batch_metrics, **train_metrics}
+                if _eval_due(config, iteration):
+                    record.update(run(evaluate, policy, **evaluate_args))
+                record.update({f"stage_seconds_{name}": s for name, s in run.seconds.items()})
+                tracker.log_step(iteration, _numbers(record))
+                if _eval_due(config, iteration):
+                    tracker.log_checkpoint(iteration, policy.path)
+                record["iteration_seconds"] = time.perf_counter() - started  # all of it: tasks, Prefect, MLflow
+                history.append(record)
+                accuracy = f"{record['eval_accuracy']:.2f}" if "eval_accuracy" in record else None
+                bar.update(job, advance=1, reward=f"{record['reward_mean']:.2f}",
+                           **({"accuracy": accuracy} if accuracy else {}))
 
-    tracker.log_curves(history)
-    version = tracker.register_adapter(f"mintflow-{config.recipe}", policy.path)
-    tracker.finish()
+        tracker.log_curves(history)
+        version = tracker.register_adapter(f"mintflow-{config.recipe}", policy.path)
+
     rows = [{"iteration": h["iteration"], "mean_reward": round(h["reward_mean"], 3) if "reward_mean" in h else None,
              "eval_accuracy": round(h["eval_accuracy"], 3) if "eval_accuracy" in h else None,
              "seconds": round(h.get("iteration_seconds", 0.0), 3),

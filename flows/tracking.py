@@ -104,6 +104,13 @@ class Tracker:
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
 
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # FAILED on any error (a rerun of the same config sets it RUNNING again and continues).
+        self.finish("FINISHED" if exc_type is None else "FAILED")
+
 
 def download_registered_adapter(model_name: str, alias: str = REGISTERED_ALIAS, uri: str | None = None) -> str:
     """A local folder with the registered adapter, ready for ``create_sampling_client(model_path=...)``."""

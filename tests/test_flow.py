@@ -13,7 +13,8 @@ from mlflow.tracking import MlflowClient
 
 import rewards
 from flows.config import GRPOConfig, build_config
-from flows.tracking import download_registered_adapter
+from flows.tracking import download_registered_adapter, tracking_uri
+from tasks.common import data_dir
 
 pytestmark = pytest.mark.model
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,8 +112,13 @@ def test_a_reward_that_keeps_failing_stops_the_run_naming_the_sample(harness, ho
     monkeypatch.setitem(rewards.REWARDS, "broken", broken)
     monkeypatch.setattr("tasks.rollouts.score.retry_delay_seconds", [0, 0, 0])
     monkeypatch.setattr("tasks.rollouts.evaluate.retry_delay_seconds", [0, 0, 0])
+    config = tiny("reward=broken", "iterations=1", "seed=13")
     with pytest.raises(Exception, match=r"reward 'broken' failed on (eval problem|group) 0.* \(problem 'add-"):
-        grpo(tiny("reward=broken", "iterations=1", "seed=13"))
+        grpo(config)
+    client = MlflowClient(tracking_uri(data_dir()))
+    experiment = client.get_experiment_by_name("mintflow-math").experiment_id
+    [run] = client.search_runs([experiment], f"tags.`mintflow.run_key` = '{config.run_key()}'")
+    assert run.info.status == "FAILED"
     checkpoints = list((home / "checkpoints").iterdir())
     assert len(checkpoints) == 2 and all((c / "manifest.json").is_file() for c in checkpoints)  # init + sft kept
 
