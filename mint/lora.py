@@ -77,16 +77,9 @@ def delete_adapter(base: BaseModel, name: str) -> None:
 
 
 @contextlib.contextmanager
-def active(base: BaseModel, adapter: str | None) -> Iterator[torch.nn.Module]:
-    """Run the base model with ``adapter`` (None = plain base weights); yields the HF model."""
+def active(base: BaseModel, adapter: str) -> Iterator[torch.nn.Module]:
+    """Run the base model with the training ``adapter`` active; yields the HF model."""
     with base.lock:
-        if adapter is None:
-            if base.peft_model is None:
-                yield base.model
-            else:
-                with base.peft_model.disable_adapter():
-                    yield base.model
-            return
         if base.active_adapter != adapter:
             base.peft_model.base_model.set_adapter(adapter, inference_mode=True)
             base.active_adapter = adapter

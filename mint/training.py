@@ -116,8 +116,8 @@ class TrainingClient:
         self._lora_config = lora.lora_config(base, rank, lora_alpha, train_mlp, train_attn, train_unembed)
         self.adapter = lora.add_adapter(base, self._lora_config, "train", seed)
         self._params = lora.adapter_parameters(base, self.adapter)
-        # Mixed precision: with a bf16 base, the adapter computes in bf16 (peft's float32 adapters spend
-        # half of a training step on casts), while Adam updates float32 master copies, which checkpoints hold.
+        # Mixed precision: with a bf16 base, the adapter computes in bf16 (peft's float32 adapters cast at every
+        # layer), while Adam updates float32 master copies, which checkpoints hold.
         self._state_keys = lora.adapter_state_keys(base, self.adapter)
         if base.dtype == torch.float32:
             self._master = self._params

@@ -31,9 +31,7 @@ class RewardError(RuntimeError):
 def sample(policy: Artifact, dataset: str, groups_per_batch: int, group_size: int, max_tokens: int,
            temperature: float, seed: int, iteration: int) -> tuple[Artifact, dict]:
     """``group_size`` samples for each of ``groups_per_batch`` training problems, from the policy checkpoint."""
-    key = content_key("sample", dict(policy=policy, dataset=dataset, groups_per_batch=groups_per_batch,
-                                     group_size=group_size, max_tokens=max_tokens, temperature=temperature,
-                                     seed=seed, iteration=iteration))
+    key = content_key("sample", dict(locals()))  # = this call's arguments
     sampler = service().create_sampling_client(model_path=policy.path)
     tokenizer = sampler.get_tokenizer()
     problems = datasets.train_batch(dataset, groups_per_batch, derived_seed(seed, "problems", iteration))
@@ -78,9 +76,7 @@ def _reward(reward_fn, name: str, text: str, problem: dict, options: dict, where
 def compute_advantages(rollouts: Artifact, rewards: list[list[float]], base_model: str, kl_penalty_coef: float,
                        remove_constant_reward_groups: bool) -> tuple[Artifact, dict]:
     """GRPO datums: advantage = reward - group mean; KL to the base model folded in when the coefficient > 0."""
-    key = content_key("compute_advantages", dict(rollouts=rollouts, rewards=rewards, base_model=base_model,
-                                                 kl_penalty_coef=kl_penalty_coef,
-                                                 remove_constant_reward_groups=remove_constant_reward_groups))
+    key = content_key("compute_advantages", dict(locals()))  # = this call's arguments
     groups = read_json(rollouts)["groups"]
     datums = []
     constant = 0

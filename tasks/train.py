@@ -30,7 +30,7 @@ from tasks.common import (
 @task(name="init_policy", cache_key_fn=task_cache_key, persist_result=True, **TRANSIENT_RETRIES)
 def init_policy(base_model: str, rank: int, train_unembed: bool, seed: int) -> Artifact:
     """A fresh LoRA adapter (B = 0, so the policy starts as the base model), seeded."""
-    key = content_key("init_policy", dict(base_model=base_model, rank=rank, train_unembed=train_unembed, seed=seed))
+    key = content_key("init_policy", dict(locals()))  # = this call's arguments
     fresh = service().create_lora_training_client(base_model, rank=rank, seed=seed, train_unembed=train_unembed)
     return checkpoint_artifact(fresh.save_state(str(checkpoint_dir(key))).result().path)
 
@@ -39,9 +39,7 @@ def init_policy(base_model: str, rank: int, train_unembed: bool, seed: int) -> A
 def sft_warm_start(policy: Artifact, base_model: str, rank: int, train_unembed: bool, dataset: str, steps: int,
                    batch_size: int, learning_rate: float, seed: int) -> tuple[Artifact, dict]:
     """Supervised warm start: cross-entropy on demonstrations (the reference answer after the prompt)."""
-    key = content_key("sft_warm_start", dict(policy=policy, base_model=base_model, rank=rank, dataset=dataset,
-                                             steps=steps, batch_size=batch_size, learning_rate=learning_rate,
-                                             seed=seed, train_unembed=train_unembed))
+    key = content_key("sft_warm_start", dict(locals()))  # = this call's arguments
     client = trainer(base_model, rank, train_unembed)
     forget(client)
     client.load_state(policy.path).result()  # fresh optimizer for the SFT stage
@@ -71,9 +69,7 @@ def sft_warm_start(policy: Artifact, base_model: str, rank: int, train_unembed: 
 def train(policy: Artifact, batch: Artifact, base_model: str, rank: int, train_unembed: bool, loss_fn: str,
           loss_fn_config: dict, learning_rate: float, grad_clip_norm: float, iteration: int) -> tuple[Artifact, dict]:
     """One optimizer step of ``loss_fn`` on the batch's datums, from ``policy``; returns the new checkpoint."""
-    key = content_key("train", dict(policy=policy, batch=batch, base_model=base_model, rank=rank,
-                                    train_unembed=train_unembed, loss_fn=loss_fn, loss_fn_config=loss_fn_config,
-                                    learning_rate=learning_rate, grad_clip_norm=grad_clip_norm, iteration=iteration))
+    key = content_key("train", dict(locals()))  # = this call's arguments
     datums = [types.Datum.model_validate(d) for d in read_json(batch)["datums"]]
     client = trainer(base_model, rank, train_unembed)
     resume_from(client, policy)
