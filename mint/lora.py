@@ -2,13 +2,14 @@
 
 All clients of a process share one base model. Each training client holds its own named
 peft adapter on it; the adapter to run is picked under the base model's lock. Sampling
-clients hold only their LoRA tensors, merged on demand into one plain sampling copy of
-the model (``merged``), so a sampling client costs a few MB.
+clients hold only their LoRA tensors, merged on demand into one plain sampling model that
+shares the base weights (``merged``), so a sampling client costs a few MB.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import warnings
 from collections.abc import Iterator
@@ -109,8 +110,14 @@ def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
     return model.get_decoder(), model.get_output_embeddings()
 
 
+def cache_kwarg(body: torch.nn.Module) -> str:
+    """The name of the KV-cache argument: transformers 5.24 renamed past_key_values to cache
+    (the old name warns, and goes in 5.40)."""
+    return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
+
+
 def token_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                   chunk: int = 1024) -> torch.Tensor:
+                   chunk: int = 256) -> torch.Tensor:
     """log p(target) at each row of ``hidden`` [N, H], with the log-softmax in float32.
 
     Chunked over rows so the float32 logits of a long batch never exist all at once.
@@ -125,11 +132,11 @@ def token_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.T
 
 
 class MergedAdapter:
-    """A LoRA adapter for sampling, as weight deltas merged into a plain copy of the base model.
+    """A LoRA adapter for sampling, as weight deltas merged into a plain (not peft) model.
 
     Decoding runs one token at a time, where peft's per-layer LoRA ops (casts, two skinny
     matmuls, an add, in 200+ layers) cost more than the base matmuls themselves. Merging
-    ``W + scale * B @ A`` (computed in float32) into a sampling copy of the model makes
+    ``W + scale * B @ A`` (computed in float32) into the sampling model makes
     decoding run at base-model speed; switching adapters rewrites only the adapted layers.
     """
 
@@ -151,35 +158,52 @@ def _base_weight(model: torch.nn.Module, module: str) -> torch.Tensor:
 
 
 def sampling_model(base: BaseModel) -> torch.nn.Module:
-    """The plain (never peft-wrapped) copy of the base model that merged adapters are written into."""
+    """The plain (never peft-wrapped) model that merged adapters are written into.
+
+    It shares every weight with the base model; a layer gets a private weight only while an
+    adapter's delta is merged into it (see ``merged``), so embeddings, norms and an unadapted
+    (possibly tied) unembedding are never duplicated.
+    """
     if base.sampling_model is None:
         from transformers import AutoModelForCausalLM
 
-        copy = AutoModelForCausalLM.from_pretrained(base.weights, dtype=base.dtype).to(base.device)
-        copy.eval()
-        copy.requires_grad_(False)
-        head, embed = copy.get_output_embeddings(), copy.get_input_embeddings()
-        if head is not None and embed is not None and head.weight is embed.weight:
-            head.weight = torch.nn.Parameter(embed.weight.detach().clone(), requires_grad=False)  # untie: the head
-        base.sampling_model = copy                                                             # may get a delta
+        with torch.device("meta"):  # no weights of its own: built empty, then pointed at the base model's tensors
+            model = AutoModelForCausalLM.from_config(base.model.config, dtype=base.dtype)
+        model.eval()
+        for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+            owner, _, attr = name.rpartition(".")
+            source = base.model.get_submodule(owner)
+            source = getattr(source.base_layer if isinstance(source, BaseTunerLayer) else source, attr)
+            if isinstance(tensor, torch.nn.Parameter):
+                model.get_submodule(owner).register_parameter(attr, torch.nn.Parameter(source.detach(),
+                                                                                       requires_grad=False))
+            else:
+                model.get_submodule(owner).register_buffer(attr, source)
+        if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+            raise RuntimeError(f"base_model {base.name!r}: the sampling model has tensors the base model lacks")
+        base.sampling_model = model
     return base.sampling_model
 
 
 @contextlib.contextmanager
 def merged(base: BaseModel, adapter: MergedAdapter | None) -> Iterator[torch.nn.Module]:
-    """Run with ``adapter`` merged into the sampling copy (None = the base weights); yields that model."""
+    """Run with ``adapter`` merged into the sampling model (None = the base weights); yields that model."""
     with base.lock, torch.no_grad():
         model = sampling_model(base)
         if base.merged_adapter is not adapter:
             previous = base.merged_adapter.deltas if base.merged_adapter is not None else {}
             wanted = adapter.deltas if adapter is not None else {}
             for module in set(previous) | set(wanted):
-                weight = model.get_submodule(module).weight
+                layer = model.get_submodule(module)
                 original = _base_weight(base.model, module)
                 if module in wanted:
                     a, b, scale = wanted[module]
-                    weight.copy_((original.float() + scale * (b @ a).to(original.device)).to(weight.dtype))
+                    merged_weight = (original.float() + scale * (b @ a).to(original.device)).to(original.dtype)
+                    if layer.weight.data_ptr() == original.data_ptr():  # still shared: make it private
+                        layer.weight = torch.nn.Parameter(merged_weight, requires_grad=False)
+                    else:
+                        layer.weight.copy_(merged_weight)
                 else:
-                    weight.copy_(original)
+                    layer.weight = torch.nn.Parameter(original.detach(), requires_grad=False)  # share again
             base.merged_adapter = adapter
         yield model

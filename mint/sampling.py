@@ -16,7 +16,6 @@ trainer's forward, so importance ratios start at 1 on-policy.
 from __future__ import annotations
 
 import concurrent.futures
-import inspect
 import os
 import threading
 from collections.abc import Sequence
@@ -46,7 +45,7 @@ class _Request:
 
 
 class SamplingClient:
-    """Samples from a base model, optionally with a LoRA adapter (merged into a sampling copy of the model)."""
+    """Samples from a base model, optionally with a LoRA adapter (merged into the plain sampling model)."""
 
     def __init__(self, base: BaseModel, adapter: lora.MergedAdapter | None = None, model_path: str | None = None):
         self.base = base
@@ -183,7 +182,7 @@ def _generate(model: torch.nn.Module, base: BaseModel, requests: Sequence[_Reque
         mask[i, width - lengths[i]:] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
-    cache_arg = _cache_kwarg(body)
+    cache_arg = lora.cache_kwarg(body)
     hidden = body(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
                   use_cache=True, **{cache_arg: cache}).last_hidden_state
 
@@ -249,11 +248,6 @@ def _generate(model: torch.nn.Module, base: BaseModel, requests: Sequence[_Reque
             **responses[q])
         for q, r in enumerate(requests)
     ]
-
-
-def _cache_kwarg(body: torch.nn.Module) -> str:
-    # transformers 5.24 renamed past_key_values to cache (the old name warns, and goes in 5.40).
-    return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
 
 
 def _sample_index(requests: Sequence[_Request]) -> list[int]:

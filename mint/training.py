@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from mint import lora
+from mint import lora, prefix
 from mint.checkpoints import CheckpointError, read_manifest, write_checkpoint
 from mint.futures import APIFuture
 from mint.losses import resolve_loss
@@ -43,6 +43,11 @@ ADAPTER_CONFIG = "adapter_config.json"
 OPTIMIZER_STATE = "optimizer.json"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
 KNOWN_INPUTS = ("target_tokens", "weights", "logprobs", "advantages")
+# Padded tokens per forward+backward pass (shared prompts counted once). Activations cost ~1.5 MB
+# per token on the 135M embedded model, so this bounds the training transient near 1.4 GB
+# while a whole reference GRPO batch (8 prompts x 4 samples, ~870 tokens) still runs in one
+# pass; smaller budgets save memory at some speed (bench/microbatch.py measures both).
+MICRO_BATCH_TOKENS = 1024
 
 CustomLossFn = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -51,6 +56,7 @@ class Batch:
     """A validated list of datums as padded tensors plus the flat index of every real position."""
 
     def __init__(self, data: Sequence[Datum], vocab_size: int, required: Sequence[str]):
+        self.vocab_size, self.required = vocab_size, tuple(required)
         if not isinstance(data, (list, tuple)) or len(data) == 0:
             raise ValueError("data: expected a non-empty list of types.Datum")
         lengths, inputs = [], {}
@@ -89,17 +95,35 @@ class Batch:
         for name, value in self.flat_inputs.items():
             if name != "target_tokens" and not torch.isfinite(value).all():
                 raise ValueError(f"loss_fn_inputs[{name!r}]: contains NaN or infinite values")
-        self.max_len = max(lengths)
-        self.input_ids = torch.zeros(len(data), self.max_len, dtype=torch.long)
-        self.attention_mask = torch.zeros(len(data), self.max_len, dtype=torch.long)
-        for i, t in enumerate(tokens):
-            self.input_ids[i, : len(t)] = t
-            self.attention_mask[i, : len(t)] = 1
-        # Row-major positions of real tokens in the padded [B, T] grid, matching the flat inputs.
-        self.flat_positions = self.attention_mask.reshape(-1).nonzero().squeeze(-1)
+        self.tokens = [d.model_input.to_ints() for d in data]
+        self.prompt_lengths = prefix.shared_prompt_lengths(self.tokens, inputs.get("weights"))
+        self.layout = prefix.layout(self.tokens, self.prompt_lengths)
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.split(flat, self.lengths))
+
+    def micro_batches(self, token_budget: int) -> list[tuple[list[int], Batch]]:
+        """Sub-batches of about ``token_budget`` padded tokens, as (indices into this batch, sub-batch).
+
+        Datums sharing a prompt stay together (a group larger than the budget makes its own
+        sub-batch); groups are taken longest first, so rows of similar length pad together.
+        """
+        if self.layout.padded_tokens <= token_budget:
+            return [(list(range(len(self.data))), self)]
+        groups = sorted(prefix.prompt_groups(self.tokens, self.prompt_lengths),
+                        key=lambda g: max(self.lengths[i] for i in g), reverse=True)
+        parts: list[list[int]] = [[]]
+        prompts = prompt_width = response_width = 0  # of the last part: its padded size is
+        for group in groups:                         # prompts * prompt_width + datums * response_width
+            m = self.prompt_lengths[group[0]]
+            rest = max(self.lengths[i] - m for i in group)
+            widths = (prompts + (m > 0), max(prompt_width, m), max(response_width, rest))
+            if parts[-1] and widths[0] * widths[1] + (len(parts[-1]) + len(group)) * widths[2] > token_budget:
+                parts.append([])
+                widths = (int(m > 0), m, rest)
+            parts[-1].extend(group)
+            prompts, prompt_width, response_width = widths
+        return [(part, Batch([self.data[i] for i in part], self.vocab_size, self.required)) for part in parts]
 
 
 class TrainingClient:
@@ -107,8 +131,9 @@ class TrainingClient:
 
     def __init__(self, base: BaseModel, rank: int, seed: int | None, train_mlp: bool, train_attn: bool,
                  train_unembed: bool, checkpoint_dir: Path, lora_alpha: int = lora.DEFAULT_LORA_ALPHA,
-                 service: Any = None):
+                 service: Any = None, micro_batch_tokens: int = MICRO_BATCH_TOKENS):
         self.base = base
+        self.micro_batch_tokens = micro_batch_tokens
         self.rank = rank
         self.seed = seed
         self._service = service
@@ -244,42 +269,77 @@ class TrainingClient:
             for p in self._params:
                 p.requires_grad_(True)
             body, head = lora.decoder_and_head(model)
-            hidden = body(input_ids=batch.input_ids.to(self.base.device),
-                          attention_mask=batch.attention_mask.to(self.base.device)).last_hidden_state
-            hidden = hidden.reshape(-1, hidden.shape[-1])[batch.flat_positions.to(self.base.device)]
+            hidden = prefix.hidden_states(body, batch.layout, self.base.device)
+            rows = batch.layout.rows.to(self.base.device)
+            if grad_mask is None and torch.is_grad_enabled():
+                return lora.token_logprobs(head, hidden[rows], targets)
             if grad_mask is None or not torch.is_grad_enabled():
-                return lora.token_logprobs(head, hidden, targets)
+                grad_mask = torch.zeros_like(targets, dtype=torch.bool)
             grad_idx = grad_mask.nonzero().squeeze(-1).to(self.base.device)
             rest_idx = (~grad_mask).nonzero().squeeze(-1).to(self.base.device)
-            with torch.no_grad():
-                rest = lora.token_logprobs(head, hidden[rest_idx].detach(), targets[rest_idx])
-            live = lora.token_logprobs(head, hidden[grad_idx], targets[grad_idx])
+            with torch.no_grad():  # a shared prompt's positions repeat in every datum of its group: compute once
+                pairs = rows[rest_idx] * self.base.vocab_size + targets[rest_idx]
+                unique, inverse = torch.unique(pairs, return_inverse=True)
+                rest = lora.token_logprobs(head, hidden[unique // self.base.vocab_size].detach(),
+                                           unique % self.base.vocab_size)[inverse]
+            live = lora.token_logprobs(head, hidden[rows[grad_idx]], targets[grad_idx])
             flat = torch.zeros(targets.shape[0], dtype=torch.float32, device=self.base.device)
             return flat.index_copy(0, rest_idx, rest).index_copy(0, grad_idx, live)
 
     def _run_loss(self, batch: Batch, fn, config: dict, backward: bool) -> ForwardBackwardOutput:
-        inputs = {k: v.to(self.base.device) for k, v in batch.flat_inputs.items() if k != "target_tokens"}
-        weights = batch.flat_inputs.get("weights")
-        with torch.set_grad_enabled(backward):
-            lp = self._target_logprobs(batch, None if weights is None else weights != 0)
-            loss = fn(lp, inputs, config)
-            if backward and loss.requires_grad:  # all weights 0: the loss is a constant, nothing to accumulate
-                loss.backward()
-        lp = lp.detach().cpu()
-        return ForwardBackwardOutput(
-            loss_fn_outputs=[{"logprobs": TensorData.from_torch(x)} for x in batch.split(lp)],
-            metrics={"loss:sum": float(loss.detach())})
+        """The loss summed over micro-batches, each backpropagated on its own: the losses are sums over
+        tokens, so the accumulated gradient is the whole batch's."""
+        logprobs: list[torch.Tensor] = [torch.empty(0)] * len(batch.data)
+        total = 0.0
+        for indices, part in batch.micro_batches(self.micro_batch_tokens):
+            inputs = {k: v.to(self.base.device) for k, v in part.flat_inputs.items() if k != "target_tokens"}
+            weights = part.flat_inputs.get("weights")
+            with torch.set_grad_enabled(backward):
+                lp = self._target_logprobs(part, None if weights is None else weights != 0)
+                loss = fn(lp, inputs, config)
+                if backward and loss.requires_grad:  # all weights 0: the loss is a constant, nothing to accumulate
+                    loss.backward()
+            total += float(loss.detach())
+            for i, x in zip(indices, part.split(lp.detach().cpu())):
+                logprobs[i] = x
+        return ForwardBackwardOutput(loss_fn_outputs=[{"logprobs": TensorData.from_torch(x)} for x in logprobs],
+                                     metrics={"loss:sum": total})
 
     def _run_custom(self, batch: Batch, fn: CustomLossFn) -> ForwardBackwardOutput:
-        with torch.enable_grad():
-            lp = self._target_logprobs(batch, None)
-            loss, metrics = fn(batch.data, batch.split(lp))
-            if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-                raise TypeError("forward_backward_custom: loss_fn must return (scalar tensor, metrics dict)")
-            loss.backward()
+        """A custom loss sees the whole batch's logprobs at once. Over the micro-batch budget, the logprobs
+        come from a forward without graph, the loss's gradient with respect to them is taken, and each
+        micro-batch is then recomputed and backpropagated with that gradient: exact, at one extra forward."""
+        parts = batch.micro_batches(self.micro_batch_tokens)
+        if len(parts) == 1:
+            with torch.enable_grad():
+                lp = self._target_logprobs(batch, None)
+                lp_list = batch.split(lp)
+                loss, metrics = self._custom_loss(fn, batch, lp_list)
+                loss.backward()
+        else:
+            lp_list = [torch.empty(0)] * len(batch.data)
+            with torch.no_grad():
+                for indices, part in parts:
+                    for i, x in zip(indices, part.split(self._target_logprobs(part, None))):
+                        lp_list[i] = x
+            lp_list = [x.detach().requires_grad_(True) for x in lp_list]
+            with torch.enable_grad():
+                loss, metrics = self._custom_loss(fn, batch, lp_list)
+                loss.backward()
+                for indices, part in parts:
+                    upstream = torch.cat([torch.zeros_like(lp_list[i]) if lp_list[i].grad is None else lp_list[i].grad
+                                          for i in indices])
+                    (self._target_logprobs(part, None) * upstream).sum().backward()
         return ForwardBackwardOutput(
-            loss_fn_outputs=[{"logprobs": TensorData.from_torch(x)} for x in batch.split(lp.detach().cpu())],
+            loss_fn_outputs=[{"logprobs": TensorData.from_torch(x.detach().cpu())} for x in lp_list],
             metrics={"loss:sum": float(loss.detach()), **{k: float(v) for k, v in (metrics or {}).items()}})
+
+    @staticmethod
+    def _custom_loss(fn: CustomLossFn, batch: Batch, lp_list: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        loss, metrics = fn(batch.data, lp_list)
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            raise TypeError("forward_backward_custom: loss_fn must return (scalar tensor, metrics dict)")
+        return loss, metrics
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self._master, lr=0.0, foreach=True)

@@ -244,6 +244,26 @@ def test_sampling_client_is_a_snapshot(service, tokenizer):
     assert tc.save_weights_and_get_sampling_client("later").compute_logprobs(prompt).result() != before
 
 
+def test_the_sampling_model_shares_the_base_weights_and_never_writes_them(service, tokenizer):
+    from mint import lora
+
+    tc = service.create_lora_training_client(EMBEDDED, rank=4, seed=0, train_unembed=True)
+    tc.forward_backward([sft_datum(tokenizer, q, a) for q, a in QA], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    base = tc.base
+    q_proj = "model.layers.0.self_attn.q_proj"
+    base_q, base_embed = lora._base_weight(base.model, q_proj), base.model.get_input_embeddings().weight
+    before = (base_q.clone(), base_embed.clone())
+    tc.save_weights_and_get_sampling_client("shares").compute_logprobs(_prompt(tokenizer, "Hi")).result()
+    model = base.sampling_model
+    assert model.get_input_embeddings().weight.data_ptr() == base_embed.data_ptr()   # never adapted: shared
+    assert model.get_submodule(q_proj).weight.data_ptr() != base_q.data_ptr()       # adapted: private
+    assert model.get_output_embeddings().weight.data_ptr() != base_embed.data_ptr()  # the adapted tied head too
+    service.create_sampling_client(base_model=EMBEDDED).compute_logprobs(_prompt(tokenizer, "Hi")).result()
+    assert model.get_submodule(q_proj).weight.data_ptr() == base_q.data_ptr()       # base again: shared again
+    assert torch.equal(base_q, before[0]) and torch.equal(base_embed, before[1])
+
+
 def test_info_and_tokenizer(service):
     tc = service.create_lora_training_client(EMBEDDED, rank=4, seed=0, train_unembed=False)
     info = tc.get_info()
