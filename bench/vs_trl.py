@@ -48,7 +48,8 @@ def run_mintflow(steps: int, seed: int) -> dict:
     history = summary["history"]
     seconds = [h["seconds"] - h["stage_seconds"].get("evaluate", 0.0) for h in history[1:]]
     curve = {h["iteration"]: h["eval_accuracy"] for h in history if h["eval_accuracy"] is not None}
-    return {"seconds_per_step": seconds, "accuracy": curve, "peak_rss_mb": _peak_rss_mb()}
+    return {"seconds_per_step": seconds, "accuracy": curve, "peak_rss_mb": _peak_rss_mb(),
+            "peak_rss_mb_by_step": {h["iteration"]: h["peak_rss_mb"] for h in history[1:] if h["iteration"] % 5 == 0}}
 
 
 def _hf_setup(seed: int):
@@ -215,7 +216,11 @@ def main() -> None:
             "s_per_step": {"median": statistics.median(per_step), "min": min(per_step), "max": max(per_step)},
             "accuracy_by_seed": {r["seed"]: r["accuracy"] for r in results},
             "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
+            "mean_accuracy": {step: statistics.mean(r["accuracy"][step] for r in results)
+                              for step in results[0]["accuracy"]},
         }
+        if "peak_rss_mb_by_step" in results[0]:
+            summary[system]["peak_rss_mb_by_step"] = {r["seed"]: r["peak_rss_mb_by_step"] for r in results}
     if "mintflow" in runs:
         summary["ratios_s_per_step_mintflow_over"] = {
             other: summary["mintflow"]["s_per_step"]["median"] / summary[other]["s_per_step"]["median"]

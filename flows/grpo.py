@@ -8,6 +8,7 @@ continues; MLflow is logged here, in the flow, from the values the tasks return.
 from __future__ import annotations
 
 import re
+import resource
 import time
 from typing import Any
 
@@ -86,6 +87,7 @@ def grpo(config: GRPOConfig) -> dict:
                 if _eval_due(config, iteration):
                     record.update(run(evaluate, policy, **evaluate_args))
                 record.update({f"stage_seconds_{name}": s for name, s in run.seconds.items()})
+                record["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # of this process
                 tracker.log_step(iteration, _numbers(record))
                 if _eval_due(config, iteration):
                     tracker.log_checkpoint(iteration, policy.path)
@@ -100,7 +102,7 @@ def grpo(config: GRPOConfig) -> dict:
 
     rows = [{"iteration": h["iteration"], "mean_reward": round(h["reward_mean"], 3) if "reward_mean" in h else None,
              "eval_accuracy": round(h["eval_accuracy"], 3) if "eval_accuracy" in h else None,
-             "seconds": round(h.get("iteration_seconds", 0.0), 3),
+             "seconds": round(h.get("iteration_seconds", 0.0), 3), "peak_rss_mb": round(h.get("peak_rss_mb", 0.0)),
              "stage_seconds": {k.removeprefix("stage_seconds_"): round(v, 3) for k, v in h.items()
                                if k.startswith("stage_seconds_")}} for h in history]
     create_table_artifact([{k: r[k] for k in ("iteration", "mean_reward", "eval_accuracy", "seconds")} for r in rows],
