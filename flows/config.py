@@ -52,6 +52,21 @@ class GRPOConfig(BaseModel):
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Base seed; every stage derives its own")
     remove_constant_reward_groups: bool = Field(False, description="Drop groups whose rewards are all equal")
     sft: SFTConfig | None = Field(None, description="Optional SFT warm start before RL")
+    task_runner: Literal["threads", "dask", "ray"] = Field(
+        "threads", description="Where fan-out stages run: Prefect's thread pool, a local Dask cluster "
+                               "(prefect-dask) or Ray (prefect-ray); results are the same")
+    score_shards: int = Field(1, ge=1, le=256, description="Scoring split into this many parallel tasks "
+                                                           "(for slow rewards: judges, sandboxes)")
+
+    @field_validator("task_runner")
+    @classmethod
+    def _runner_installed(cls, value: str) -> str:
+        import importlib.util
+
+        module = {"dask": "prefect_dask", "ray": "prefect_ray"}.get(value)
+        if module and importlib.util.find_spec(module) is None:
+            raise ValueError(f"task runner {value!r} needs {module.replace('_', '-')}: pip install -e '.[scale]'")
+        return value
 
     @field_validator("reward")
     @classmethod
@@ -71,8 +86,10 @@ class GRPOConfig(BaseModel):
         return value
 
     def run_key(self) -> str:
-        """Identifies a run: the same config resumes the same run (and the same MLflow run)."""
-        return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
+        """Identifies a run: the same config resumes the same run (and the same MLflow run).
+        How stages are spread over workers changes no result, so it is not part of the key."""
+        what = self.model_dump(exclude={"task_runner", "score_shards"})
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def load_recipe(recipe: str) -> dict[str, Any]:

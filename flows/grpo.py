@@ -37,11 +37,48 @@ class StageRunner:
         start = time.perf_counter()
         state = task(*args, return_state=True, **kwargs)
         self.seconds[task.name] = time.perf_counter() - start
+        self._count(state)
+        return state.result()
+
+    def fan_out(self, task, runner: str, shards: int, **kwargs) -> list:
+        """``task`` on ``shards`` shards (``shard=i, shards=n``) through the named task runner; the
+        shards' lists interleaved back into one (shard i holds items i, i+n, ...)."""
+        start = time.perf_counter()
+        with task_runner(runner, shards) as pool:
+            futures = [pool.submit(task, parameters={**kwargs, "shard": i, "shards": shards}) for i in range(shards)]
+            for future in futures:
+                future.wait()
+                self._count(future.state)
+            parts = [future.result() for future in futures]
+        self.seconds[task.name] = time.perf_counter() - start
+        merged = [None] * sum(len(part) for part in parts)
+        for i, part in enumerate(parts):
+            merged[i::shards] = part
+        return merged
+
+    def _count(self, state) -> None:
         if state.name == "Cached":
             self.cached += 1
         else:
             self.ran += 1
-        return state.result()
+
+
+def task_runner(name: str, workers: int):
+    """A Prefect task runner by name: ``threads`` (default), ``dask`` (a local cluster) or ``ray``."""
+    if name == "threads":
+        from prefect.task_runners import ThreadPoolTaskRunner
+
+        return ThreadPoolTaskRunner(max_workers=workers)
+    if name == "dask":
+        from prefect_dask import DaskTaskRunner
+
+        return DaskTaskRunner(cluster_kwargs={"n_workers": workers, "threads_per_worker": 1, "processes": True,
+                                              "dashboard_address": None})
+    if name == "ray":
+        from prefect_ray import RayTaskRunner
+
+        return RayTaskRunner(init_kwargs={"num_cpus": workers, "include_dashboard": False})
+    raise ValueError(f"task_runner: unknown runner {name!r}; expected threads, dask or ray")
 
 
 @flow(name="grpo")
@@ -76,7 +113,8 @@ def grpo(config: GRPOConfig) -> dict:
                                                groups_per_batch=config.groups_per_batch, group_size=config.group_size,
                                                max_tokens=config.max_tokens, temperature=config.temperature,
                                                seed=config.seed, iteration=iteration)
-                rewards = run(score, rollouts, reward=config.reward, reward_options=config.reward_options)
+                rewards = run.fan_out(score, config.task_runner, config.score_shards, rollouts=rollouts,
+                                      reward=config.reward, reward_options=config.reward_options)
                 batch, batch_metrics = run(compute_advantages, rollouts, rewards, base_model=config.base_model,
                                            kl_penalty_coef=config.kl_penalty_coef,
                                            remove_constant_reward_groups=config.remove_constant_reward_groups)

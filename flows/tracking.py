@@ -8,6 +8,7 @@ the final adapter is registered as a model version with an alias.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -25,17 +26,22 @@ def tracking_uri(data_dir: Path) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{data_dir / 'mlflow.db'}"
 
 
+def _experiment_id(client: MlflowClient, name: str, data_dir: Path) -> str:
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    artifacts = os.environ.get("MINTFLOW_ARTIFACT_ROOT")
+    if not artifacts and not client.tracking_uri.startswith(("http:", "https:")):  # a server picks its own store
+        artifacts = (data_dir / "mlartifacts").absolute().as_uri()
+    return client.create_experiment(name, artifact_location=artifacts)
+
+
 class Tracker:
     def __init__(self, data_dir: Path, experiment: str, run_key: str, run_name: str, params: dict,
                  flow_run_id: str | None):
         self.uri = tracking_uri(data_dir)
         self.client = MlflowClient(self.uri)
-        found = self.client.get_experiment_by_name(experiment)
-        if found is None:
-            artifacts = os.environ.get("MINTFLOW_ARTIFACT_ROOT") or (data_dir / "mlartifacts").absolute().as_uri()
-            experiment_id = self.client.create_experiment(experiment, artifact_location=artifacts)
-        else:
-            experiment_id = found.experiment_id
+        experiment_id = _experiment_id(self.client, experiment, data_dir)
         runs = self.client.search_runs([experiment_id], f"tags.`mintflow.run_key` = '{run_key}'", max_results=1)
         if runs:
             self.run_id = runs[0].info.run_id
@@ -112,6 +118,81 @@ class Tracker:
         self.finish("FINISHED" if exc_type is None else "FAILED")
 
 
+class SweepTracker:
+    """A sweep's parent MLflow run, in the experiment of its points, which become its nested runs."""
+
+    def __init__(self, data_dir: Path, experiment: str, name: str, sweep_key: str, spec: dict):
+        self.uri = tracking_uri(data_dir)
+        self.client = MlflowClient(self.uri)
+        self.experiment_id = _experiment_id(self.client, experiment, data_dir)
+        runs = self.client.search_runs([self.experiment_id], f"tags.`mintflow.sweep` = '{sweep_key}'", max_results=1)
+        if runs:
+            self.run_id = runs[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            self.run_id = self.client.create_run(self.experiment_id, run_name=f"sweep-{name}",
+                                                 tags={"mintflow.sweep": sweep_key}).info.run_id
+        self.client.set_tag(self.run_id, "mintflow.sweep_spec", json.dumps(spec, default=str)[:5000])  # may grow
+
+    def _point_run(self, run_key: str):
+        runs = self.client.search_runs([self.experiment_id], f"tags.`mintflow.run_key` = '{run_key}'", max_results=1)
+        return runs[0] if runs else None
+
+    def finished(self, run_key: str) -> bool:
+        """Whether the point with this run key has a FINISHED MLflow run (so it is reused, not rerun)."""
+        run = self._point_run(run_key)
+        return run is not None and run.info.status == "FINISHED"
+
+    def adopt(self, point: dict, run_key: str) -> dict:
+        """Nest a point's run under the sweep; return its final metrics and curves."""
+        run = self._point_run(run_key)
+        if run is None or run.info.status != "FINISHED":
+            raise RuntimeError(f"sweep point {point}: no finished MLflow run with run key {run_key}")
+        self.client.set_tag(run.info.run_id, "mlflow.parentRunId", self.run_id)
+        self.client.set_tag(run.info.run_id, "mintflow.sweep_point", json.dumps(point))
+        curves = {name: [(m.step, m.value) for m in sorted(self.client.get_metric_history(run.info.run_id, name),
+                                                           key=lambda m: m.step)]
+                  for name in ("eval_accuracy", "reward_mean")}
+        return {"point": point, "run_id": run.info.run_id, "final": dict(run.data.metrics), "curves": curves}
+
+    def log_comparison(self, rows: list[dict], results: list[dict], best: dict, metric: str) -> None:
+        """The comparison table, the overlay plot, and the best point's tags."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        columns = list(rows[0])
+        self.client.log_table(self.run_id, {c: [json.dumps(r[c]) if isinstance(r[c], (dict, list)) else r[c]
+                                                for r in rows] for c in columns}, "comparison.json")
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+        for result in results:
+            label = ", ".join(f"{k}={v}" for k, v in result["point"].items()) + (" (best)" if result is best else "")
+            style = {"linewidth": 2.5} if result is best else {"alpha": 0.8}
+            for ax, name in ((top, "eval_accuracy"), (bottom, "reward_mean")):
+                steps = result["curves"][name]
+                ax.plot([s for s, _ in steps], [v for _, v in steps], "o-" if ax is top else "-", label=label, **style)
+        top.set_ylabel("held-out accuracy")
+        bottom.set_ylabel("mean sampled reward")
+        bottom.set_xlabel("iteration")
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+        top.legend(fontsize=8)
+        self.client.log_figure(self.run_id, fig, "sweep_curves.png")
+        plt.close(fig)
+        for result in results:
+            self.client.set_tag(result["run_id"], "mintflow.sweep_best", str(result is best).lower())
+        self.client.set_tag(self.run_id, "mintflow.best_run_id", best["run_id"])
+        self.client.set_tag(self.run_id, "mintflow.best_point", json.dumps(best["point"]))
+        self.client.log_metric(self.run_id, f"best_{metric}", float(best["final"][metric]))
+
+    def __enter__(self) -> SweepTracker:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.client.set_terminated(self.run_id, status="FINISHED" if exc_type is None else "FAILED")
+
+
 def download_registered_adapter(model_name: str, alias: str = REGISTERED_ALIAS, uri: str | None = None) -> str:
     """A local folder with the registered adapter, ready for ``create_sampling_client(model_path=...)``."""
     client = MlflowClient(uri)
@@ -120,4 +201,4 @@ def download_registered_adapter(model_name: str, alias: str = REGISTERED_ALIAS, 
     return mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=target, tracking_uri=uri)
 
 
-__all__ = ["Tracker", "download_registered_adapter", "tracking_uri", "RunTag"]
+__all__ = ["SweepTracker", "Tracker", "download_registered_adapter", "tracking_uri", "RunTag"]

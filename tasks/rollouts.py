@@ -55,12 +55,17 @@ def sample(policy: Artifact, dataset: str, groups_per_batch: int, group_size: in
 
 
 @task(name="score", cache_key_fn=task_cache_key, persist_result=True, **REWARD_RETRIES)
-def score(rollouts: Artifact, reward: str, reward_options: dict) -> list[list[float]]:
-    """Rewards per group and sample. Retried with backoff: judges and sandboxes fail transiently."""
+def score(rollouts: Artifact, reward: str, reward_options: dict, shard: int = 0, shards: int = 1) -> list[list[float]]:
+    """Rewards per sample of the groups ``shard, shard + shards, ...`` (all of them by default).
+
+    Shards let a flow fan scoring out over a task runner; retried with backoff, because
+    judges and sandboxes fail transiently.
+    """
     reward_fn = get_reward(reward)
-    return [[_reward(reward_fn, reward, s["text"], group["problem"], reward_options, f"group {g} sample {i}")
-             for i, s in enumerate(group["samples"])]
-            for g, group in enumerate(read_json(rollouts)["groups"])]
+    groups = read_json(rollouts)["groups"]
+    return [[_reward(reward_fn, reward, s["text"], groups[g]["problem"], reward_options, f"group {g} sample {i}")
+             for i, s in enumerate(groups[g]["samples"])]
+            for g in range(shard, len(groups), shards)]
 
 
 def _reward(reward_fn, name: str, text: str, problem: dict, options: dict, where: str) -> float:

@@ -1,0 +1,213 @@
+"""Service mode for real: `mintflow serve` starts a Prefect server, a process worker and an MLflow
+server on free loopback ports; `mintflow deploy` creates the deployments; a run triggered the way
+the UI triggers it executes on the worker and lands in the MLflow server."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.service
+
+BIN = Path(sys.executable).parent
+TINY = {"iterations": 1, "eval_every": 0, "eval_size": 4, "groups_per_batch": 2, "group_size": 2, "max_tokens": 4,
+        "sft": None}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _clean_env(home: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "MINTFLOW_HOME"))}
+    return {**env, "MINTFLOW_HOME": str(home)}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    home = tmp_path_factory.mktemp("served")
+    process = subprocess.Popen([str(BIN / "mintflow"), "serve", "--home", str(home), "--prefect-port",
+                                str(_free_port()), "--mlflow-port", str(_free_port())],
+                               env=_clean_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not (home / "servers.json").is_file():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"mintflow serve did not come up:\n{process.stdout.read()}")
+        time.sleep(0.5)
+    info = json.loads((home / "servers.json").read_text())
+    yield {"home": home, "process": process, **info}
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        process.wait(90)
+
+
+@pytest.fixture(scope="module")
+def deployed(served):
+    out = subprocess.run([str(BIN / "mintflow"), "deploy", "--home", str(served["home"])],
+                         env=_clean_env(served["home"]), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "deployed grpo/math" in out.stdout
+    return served
+
+
+def _prefect_settings(served):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    return temporary_settings({PREFECT_API_URL: served["prefect_url"]})
+
+
+def test_serve_starts_both_servers_and_a_limited_process_pool(served):
+    import urllib.request
+
+    for url in (f"{served['prefect_url']}/health", f"{served['mlflow_url']}/health"):
+        with urllib.request.urlopen(url, timeout=5) as response:
+            assert response.status == 200
+    from prefect.client.orchestration import get_client
+
+    with _prefect_settings(served), get_client(sync_client=True) as client:
+        deadline = time.monotonic() + 60
+        while (pool := client.read_work_pool("mintflow")).status != "READY" and time.monotonic() < deadline:
+            time.sleep(1)  # READY once the worker's first heartbeat arrives
+        assert pool.type == "process" and pool.concurrency_limit == 1 and pool.status == "READY"
+    assert (served["home"] / "mlflow" / "mlflow.db").is_file() and (served["home"] / "prefect").is_dir()
+
+
+def test_deployments_carry_the_recipe_the_typed_form_and_a_nightly_schedule(deployed):
+    from prefect.client.orchestration import get_client
+
+    with _prefect_settings(deployed), get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("grpo/math")
+        assert deployment.work_pool_name == "mintflow"
+        assert deployment.parameters["config"]["recipe"] == "math"
+        assert [s.schedule.cron for s in deployment.schedules] == ["0 3 * * *"] and deployment.schedules[0].active
+        schema = json.dumps(deployment.parameter_openapi_schema)
+        assert "Samples per prompt" in schema and '"minimum": 2' in schema  # descriptions and bounds in the form
+
+
+def test_the_api_refuses_a_run_with_a_field_out_of_bounds(deployed):
+    import httpx
+    from prefect.client.orchestration import get_client
+
+    with _prefect_settings(deployed), get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("grpo/math")
+        bad = {**deployment.parameters["config"], "group_size": 1}
+        with pytest.raises(httpx.HTTPStatusError) as refused:
+            client.create_flow_run_from_deployment(deployment.id, parameters={"config": bad})
+        assert "group_size" in str(refused.value) or "greater than or equal to 2" in str(refused.value)
+
+
+def test_a_ui_triggered_run_completes_on_the_worker_and_lands_in_mlflow(deployed):
+    from mlflow.tracking import MlflowClient
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    with _prefect_settings(deployed):
+        with get_client(sync_client=True) as client:
+            config = {**client.read_deployment_by_name("grpo/math").parameters["config"], **TINY}
+        flow_run = run_deployment("grpo/math", parameters={"config": config}, timeout=600)
+    assert flow_run.state.is_completed(), f"{flow_run.state.name}: {flow_run.state.message}"
+    runs = MlflowClient(deployed["mlflow_url"]).search_runs(
+        [MlflowClient(deployed["mlflow_url"]).get_experiment_by_name("mintflow-math").experiment_id],
+        f"tags.`prefect.flow_run_id` = '{flow_run.id}'")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert runs[0].data.metrics["iteration_done"] == 1 and "eval_accuracy" in runs[0].data.metrics
+
+
+def test_a_sweep_runs_its_points_as_deployment_runs_when_the_servers_are_up(deployed, tmp_path):
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(json.dumps({"name": "served", "recipe": "math", "overrides": TINY,
+                                      "grid": {"learning_rate": [2e-4, 3e-4]}}))  # not the run above
+    out = subprocess.run([str(BIN / "mintflow"), "sweep", str(sweep_file), "--home", str(deployed["home"]), "--json"],
+                         env=_clean_env(deployed["home"]), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout[out.stdout.index("{"):])
+    assert (summary["ran"], summary["reused"]) == (2, 0) and len(summary["rows"]) == 2
+    from mlflow.tracking import MlflowClient
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    client = MlflowClient(deployed["mlflow_url"])  # the points ran on the worker and logged to the server
+    children = [client.get_run(row["mlflow_run_id"]) for row in summary["rows"]]
+    assert all(child.data.tags["mlflow.parentRunId"] == summary["mlflow_run_id"] for child in children)
+    with _prefect_settings(deployed), get_client(sync_client=True) as prefect:
+        runs = prefect.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["math"])))
+    assert {child.data.tags["prefect.flow_run_id"] for child in children} <= {str(r.id) for r in runs}
+    deployed["sweep"] = summary
+
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("Chromium is not installed: `make setup` tries `apt-get install chromium`, which failed here")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
+        yield launched
+        launched.close()
+
+
+@pytest.fixture(scope="module")
+def screenshots(served):
+    folder = Path(os.environ.get("MINTFLOW_SCREENSHOTS") or served["home"] / "screenshots")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def test_the_prefect_ui_shows_the_deployments_typed_run_form(deployed, browser, screenshots):
+    from prefect.client.orchestration import get_client
+
+    with _prefect_settings(deployed), get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("grpo/math")
+    page = browser.new_page(viewport={"width": 1400, "height": 1800})
+    page.goto(f"{deployed['prefect_url'].removesuffix('/api')}/deployments/deployment/{deployment.id}/run")
+    page.get_by_text("Samples per prompt", exact=False).first.wait_for(timeout=90_000)
+    page.screenshot(path=str(screenshots / "prefect-run-form.png"), full_page=True)
+    text = page.inner_text("body")
+    assert "Custom" in text or "Run" in text
+    for description in ("Samples per prompt", "Adam learning rate", "LoRA rank"):  # the config's own field docs
+        assert description in text, description
+    page.close()
+
+
+def test_the_mlflow_ui_compares_the_sweeps_runs(deployed, browser, screenshots):
+    assert "sweep" in deployed, "needs the sweep test above to have run"
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(deployed["mlflow_url"])
+    experiment = client.get_experiment_by_name("mintflow-math").experiment_id
+    run_ids = [row["mlflow_run_id"] for row in deployed["sweep"]["rows"]]
+    names = [client.get_run(r).info.run_name for r in run_ids]
+    page = browser.new_page(viewport={"width": 1400, "height": 1400})
+    page.goto(f"{deployed['mlflow_url']}/#/compare-runs?runs={json.dumps(run_ids)}&experiments={json.dumps([experiment])}")
+    page.get_by_text(names[0], exact=False).first.wait_for(timeout=90_000)
+    page.screenshot(path=str(screenshots / "mlflow-sweep-compare.png"), full_page=True)
+    text = page.inner_text("body")
+    assert all(name in text for name in names) and "eval_accuracy" in text and "learning_rate" in text
+    page.close()
+
+
+def test_ctrl_c_stops_every_server_process(served):
+    # Runs last in this module (pytest keeps file order): the fixture's finalizer then has nothing to do.
+    process, pids = served["process"], served["pids"]
+    process.send_signal(signal.SIGINT)
+    assert process.wait(90) == 0
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not (served["home"] / "servers.json").exists()
