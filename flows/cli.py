@@ -97,7 +97,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     for column in rows[0]:
         table.add_column(column)
     for row in rows:
-        table.add_row(*[str(round(v, 3) if isinstance(v, float) else v) for v in row.values()])
+        table.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()])
     Console().print(table)
     Console().print(f"ran {summary['ran']}, reused {summary['reused']}; best {summary['best']['point']}")
     return 0

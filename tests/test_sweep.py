@@ -39,9 +39,9 @@ def test_a_bad_sweep_is_refused_before_any_run_naming_the_field(bad, message):
         point_configs(SweepSpec.model_validate({"name": "bad", "recipe": "math", **bad}))
 
 
-def test_the_example_sweep_file_is_valid():
-    spec = load_sweep("recipes/sweeps/math_lr_group.yaml")
-    assert len(point_configs(spec)) == 4
+@pytest.mark.parametrize("path", ["recipes/sweeps/math_lr_group.yaml", "recipes/sweeps/math_lr_group_short.yaml"])
+def test_the_example_sweep_files_are_valid(path):
+    assert len(point_configs(load_sweep(path))) == 4
 
 
 @pytest.mark.model
