@@ -53,7 +53,8 @@ CustomLossFn = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, d
 
 
 class Batch:
-    """A validated list of datums as padded tensors plus the flat index of every real position."""
+    """A validated list of datums: their inputs flattened in datum order, and their layout for the
+    forward pass (shared prompts once, then responses; see ``mint.prefix``)."""
 
     def __init__(self, data: Sequence[Datum], vocab_size: int, required: Sequence[str]):
         self.vocab_size, self.required = vocab_size, tuple(required)
@@ -84,8 +85,8 @@ class Batch:
                 raise ValueError(f"loss_fn_inputs[{name!r}]: given for some datums but not all")
         self.data = list(data)
         self.lengths = lengths
-        tokens = [torch.tensor(d.model_input.to_ints(), dtype=torch.long) for d in data]
-        self.flat_tokens = torch.cat(tokens)
+        self.tokens = [d.model_input.to_ints() for d in data]
+        self.flat_tokens = torch.tensor([t for seq in self.tokens for t in seq], dtype=torch.long)
         self.flat_inputs = {name: torch.cat(values) for name, values in inputs.items()}
         for name, value in [("model_input", self.flat_tokens)] + [
                 (n, v) for n, v in self.flat_inputs.items() if n == "target_tokens"]:
@@ -95,7 +96,6 @@ class Batch:
         for name, value in self.flat_inputs.items():
             if name != "target_tokens" and not torch.isfinite(value).all():
                 raise ValueError(f"loss_fn_inputs[{name!r}]: contains NaN or infinite values")
-        self.tokens = [d.model_input.to_ints() for d in data]
         self.prompt_lengths = prefix.shared_prompt_lengths(self.tokens, inputs.get("weights"))
         self.layout = prefix.layout(self.tokens, self.prompt_lengths)
 
