@@ -58,3 +58,12 @@ def lora_snapshot(client) -> dict[str, torch.Tensor]:
 
 def grads_snapshot(client) -> dict[str, torch.Tensor | None]:
     return {str(i): None if p.grad is None else p.grad.clone() for i, p in enumerate(client._params)}
+
+
+@pytest.fixture(scope="module")
+def harness():
+    """A Prefect test server for the module's flows; it stops with the module (an ephemeral one outlived pytest)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness():
+        yield

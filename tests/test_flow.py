@@ -24,14 +24,6 @@ STAGES = ["init_policy", "sft_warm_start", "evaluate"] + ["sample", "score", "co
     "evaluate"]
 
 
-@pytest.fixture(scope="module")
-def harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness():
-        yield
-
-
 @pytest.fixture
 def home(tmp_path, monkeypatch):
     monkeypatch.setenv("MINTFLOW_HOME", str(tmp_path / "home"))

@@ -11,14 +11,6 @@ from tasks.rollouts import score
 REPLIES = ["The answer is 7.", "7", "\\boxed{8}", "no idea", "Answer: 12", "12!", "eleven", "13"]
 
 
-@pytest.fixture(scope="module")
-def harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness():
-        yield
-
-
 @pytest.fixture
 def rollouts(tmp_path, monkeypatch):
     monkeypatch.setenv("MINTFLOW_HOME", str(tmp_path))

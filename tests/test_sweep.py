@@ -44,15 +44,6 @@ def test_the_example_sweep_files_are_valid(path):
     assert len(point_configs(load_sweep(path))) == 4
 
 
-@pytest.fixture(scope="module")
-def harness():
-    # A test server that stops with the module; Prefect's ephemeral server outlived pytest.
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness():
-        yield
-
-
 @pytest.mark.model
 def test_a_sweep_runs_its_points_compares_them_and_reuses_finished_ones(harness):
     spec = SweepSpec(name="tiny", recipe="math", overrides=TINY, grid={"learning_rate": [1e-4, 3e-4]})
