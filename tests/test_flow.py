@@ -136,7 +136,9 @@ def _cli(home: Path, *extra) -> subprocess.Popen:
     env.pop("PREFECT_API_URL", None)
     home.mkdir(parents=True, exist_ok=True)
     log = open(home / "stderr.log", "a")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+    # Its own session: a kill takes the whole group, the CLI's ephemeral Prefect server included, as a crash would.
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
+                            start_new_session=True)
 
 
 def _summary(proc: subprocess.Popen, home: Path) -> dict:
@@ -156,7 +158,7 @@ def test_kill_9_mid_run_then_rerun_matches_an_uninterrupted_run(tmp_path):
                                                       if not p.name.startswith(".")]) >= 3:
             break
         time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
 

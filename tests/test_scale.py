@@ -1,5 +1,5 @@
 """Fan-out stages on other task runners: scoring split in shards gives the same rewards on Prefect's
-thread pool and on a local Dask cluster (worker processes)."""
+thread pool, on a local Dask cluster and on a local Ray cluster (worker processes)."""
 
 import pytest
 from prefect import flow
@@ -37,3 +37,7 @@ def test_shards_are_interleaved_back_into_group_order(harness, rollouts):
 
 def test_scoring_on_a_local_dask_cluster_equals_the_thread_pool(harness, rollouts):
     assert scoring(rollouts, "dask", 2) == scoring(rollouts, "threads", 1)
+
+
+def test_scoring_on_a_local_ray_cluster_equals_the_thread_pool(harness, rollouts):
+    assert scoring(rollouts, "ray", 2) == scoring(rollouts, "threads", 1)
