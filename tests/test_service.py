@@ -169,7 +169,8 @@ def screenshots(served):
     return folder
 
 
-def test_the_prefect_ui_shows_the_deployments_typed_run_form(deployed, browser, screenshots):
+def _open_run_form(deployed, browser):
+    """The Prefect UI's custom-run page of grpo/math, once its config form has rendered."""
     from prefect.client.orchestration import get_client
 
     with _prefect_settings(deployed), get_client(sync_client=True) as client:
@@ -177,6 +178,11 @@ def test_the_prefect_ui_shows_the_deployments_typed_run_form(deployed, browser, 
     page = browser.new_page(viewport={"width": 1400, "height": 1800})
     page.goto(f"{deployed['prefect_url'].removesuffix('/api')}/deployments/deployment/{deployment.id}/run")
     page.get_by_text("Samples per prompt", exact=False).first.wait_for(timeout=90_000)
+    return page
+
+
+def test_the_prefect_ui_shows_the_deployments_typed_run_form(deployed, browser, screenshots):
+    page = _open_run_form(deployed, browser)
     page.screenshot(path=str(screenshots / "prefect-run-form.png"), full_page=True)
     text = page.inner_text("body")
     assert "Custom" in text or "Run" in text
@@ -186,13 +192,7 @@ def test_the_prefect_ui_shows_the_deployments_typed_run_form(deployed, browser, 
 
 
 def test_the_prefect_ui_form_refuses_an_out_of_bounds_value_naming_the_field(deployed, browser, screenshots):
-    from prefect.client.orchestration import get_client
-
-    with _prefect_settings(deployed), get_client(sync_client=True) as client:
-        deployment = client.read_deployment_by_name("grpo/math")
-    page = browser.new_page(viewport={"width": 1400, "height": 1800})
-    page.goto(f"{deployed['prefect_url'].removesuffix('/api')}/deployments/deployment/{deployment.id}/run")
-    page.get_by_text("Samples per prompt", exact=False).first.wait_for(timeout=90_000)
+    page = _open_run_form(deployed, browser)
     group_size = page.locator(".schema-form-property", has=page.get_by_text("Samples per prompt")).last
     group_size.locator("input[type=number]").fill("1")
     page.get_by_role("button", name="Submit").click()
@@ -201,6 +201,8 @@ def test_the_prefect_ui_form_refuses_an_out_of_bounds_value_naming_the_field(dep
     page.screenshot(path=str(screenshots / "prefect-run-form-refused.png"), full_page=True)
     assert "less than the minimum of 2" in refusal.inner_text()
     page.close()
+    from prefect.client.orchestration import get_client
+
     with _prefect_settings(deployed), get_client(sync_client=True) as client:
         assert all(run.parameters["config"].get("group_size") != 1 for run in client.read_flow_runs())
 
