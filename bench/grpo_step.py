@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -98,7 +99,10 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--mode", mode, "--iterations", str(args.iterations)]
             for item in args.set:
                 cmd += ["--set", item]
-            out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+            try:
+                out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+            finally:
+                shutil.rmtree(home, ignore_errors=True)
             results[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"rep {rep + 1} {mode}: {[round(r['seconds'], 2) for r in results[mode][-1]]}", file=sys.stderr)
 

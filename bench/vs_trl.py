@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -114,7 +115,8 @@ def run_trl(steps: int, seed: int) -> dict:
             if state.global_step % EVAL_EVERY == 0:
                 curve[state.global_step] = _greedy_accuracy(model, tokenizer, held_out)
 
-    config = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-"), learning_rate=1e-4, per_device_train_batch_size=32,
+    output_dir = tempfile.mkdtemp(prefix="trl-", dir=os.environ["MINTFLOW_HOME"])  # removed with the home
+    config = GRPOConfig(output_dir=output_dir, learning_rate=1e-4, per_device_train_batch_size=32,
                         num_generations=4, max_completion_length=16, temperature=0.8, top_k=0, top_p=1.0, beta=0.0,
                         loss_type="dapo", scale_rewards="none", max_grad_norm=1.0, bf16=True, use_cpu=True,
                         max_steps=steps, logging_steps=1, report_to=[], save_strategy="no", seed=seed,
@@ -201,6 +203,7 @@ def main() -> None:
             os.makedirs(f"{home}/prefect", exist_ok=True)
             out = subprocess.run([sys.executable, __file__, "--role", system, "--seed", str(seed), "--steps",
                                   str(args.steps)], cwd=ROOT, env=env, capture_output=True, text=True)
+            shutil.rmtree(home, ignore_errors=True)  # ~2.5 GB of checkpoints per 40-step run
             if out.returncode != 0:
                 raise SystemExit(f"{system} seed {seed} failed:\n{out.stderr[-4000:]}")
             result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,12 +1,15 @@
 """Shared fixtures. Tests run offline and write only to temporary folders (plus the model cache)."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Prefect and MLflow get temporary homes; nothing a test does lands in the user's.
 _HOME = tempfile.mkdtemp(prefix="mintflow-tests-")
+atexit.register(shutil.rmtree, _HOME, ignore_errors=True)  # checkpoints of a full run take ~0.5 GB
 os.environ["PREFECT_HOME"] = os.path.join(_HOME, "prefect")
 os.environ["PREFECT_LOCAL_STORAGE_PATH"] = os.path.join(_HOME, "prefect", "storage")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
