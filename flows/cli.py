@@ -133,10 +133,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from tasks.common import checkpoint_artifact
     from tasks.rollouts import evaluate
 
-    metrics = evaluate.fn(checkpoint_artifact(args.checkpoint), dataset=config.dataset, eval_size=config.eval_size,
+    dataset = config.eval_dataset or config.dataset
+    metrics = evaluate.fn(checkpoint_artifact(args.checkpoint), dataset=dataset, eval_size=config.eval_size,
                           max_tokens=config.max_tokens, reward=config.reward, reward_options=config.reward_options)
     print(json.dumps(metrics, indent=2) if args.json else
-          f"held-out accuracy {metrics['eval_accuracy']:.3f} on {config.eval_size} problems ({config.dataset})")
+          f"held-out accuracy {metrics['eval_accuracy']:.3f} on {config.eval_size} problems ({dataset})")
+    return 0
+
+
+def cmd_judge_serve(args: argparse.Namespace) -> int:
+    from rewards.judge_server import serve
+
+    print(f"judge {args.model} at http://{args.host}:{args.port}/v1 (OpenAI chat completions; Ctrl-C stops)")
+    serve(args.model, args.host, args.port)
     return 0
 
 
@@ -174,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     swp.add_argument("--home")
     swp.add_argument("--json", action="store_true")
     swp.set_defaults(func=cmd_sweep)
+    judge = sub.add_parser("judge-serve", help="serve a local judge model as an OpenAI-compatible endpoint")
+    judge.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    judge.add_argument("--host", default="127.0.0.1")
+    judge.add_argument("--port", type=int, default=8000)
+    judge.set_defaults(func=cmd_judge_serve)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -29,10 +29,13 @@ class GRPOConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     recipe: str = Field("custom", description="Name of the recipe this config came from (for tracking)")
     base_model: str = Field("Qwen/Qwen3-0.6B", description="Hub id, local folder, .gguf file, or 'embedded'")
-    dataset: str = Field("arithmetic", description="'arithmetic' (generated), 'gsm8k', 'math' or a .jsonl path")
+    dataset: str = Field("arithmetic", description="'arithmetic' or 'python_functions' (generated), 'gsm8k', "
+                                                   "'math' or a .jsonl path")
+    eval_dataset: str | None = Field(None, description="Held-out problems from another dataset (e.g. humaneval); "
+                                                       "default: the training dataset's held-out split")
     reward: str = Field("math", description="Reward function, a name in the rewards/ registry (e.g. 'math')")
-    reward_options: dict[str, float] = Field(default_factory=dict,
-                                             description="Keyword options of the reward, e.g. format_bonus")
+    reward_options: dict[str, bool | int | float | str] = Field(
+        default_factory=dict, description="Keyword options of the reward, e.g. format_bonus, all_or_nothing")
     loss_fn: Literal["importance_sampling", "ppo", "cispo", "dro"] = Field(
         "importance_sampling", description="RL loss; GRPO's default is importance_sampling")
     loss_fn_config: dict[str, float] = Field(default_factory=dict,
@@ -52,6 +55,25 @@ class GRPOConfig(BaseModel):
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Base seed; every stage derives its own")
     remove_constant_reward_groups: bool = Field(False, description="Drop groups whose rewards are all equal")
     sft: SFTConfig | None = Field(None, description="Optional SFT warm start before RL")
+    prompt_template: str = Field("{question}", description="How a problem becomes the user message; "
+                                                           "'{question}' is replaced by the problem")
+    eval_samples: int = Field(1, ge=1, le=256, description="k samples per held-out problem: 1 = greedy accuracy; "
+                                                           "k > 1 = avg@k and pass@k at the sampling temperature")
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal and sample "
+                                                      "more prompts until the batch is full")
+    max_sampling_rounds: int = Field(3, ge=1, le=100, description="Dynamic sampling: at most this many sampling "
+                                                                  "rounds per iteration (the cap)")
+    loss_normalization: Literal["sum", "token", "sequence"] = Field(
+        "sum", description="Advantages summed over tokens (sum), averaged over the batch's tokens (token, DAPO) "
+                           "or per reply (sequence, GRPO)")
+    overlong_cache: int = Field(0, ge=0, le=8192, description="DAPO overlong shaping: L_cache tokens before "
+                                                              "L_max = max_tokens where the penalty ramps (0 = off)")
+    overlong_penalty_factor: float = Field(1.0, ge=0, le=10.0, description="DAPO overlong shaping: the penalty "
+                                                                         "at L_max")
+    sampler: Literal["transformers", "vllm"] = Field(
+        "transformers", description="Sampling backend: the mint engine (any device) or vLLM (CUDA, the vllm extra)")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=0.95, description="vLLM: share of GPU memory it may take "
+                                                                         "(the rest is for training)")
     task_runner: Literal["threads", "dask", "ray"] = Field(
         "threads", description="Where fan-out stages run: Prefect's thread pool, a local Dask cluster "
                                "(prefect-dask) or Ray (prefect-ray); results are the same")
@@ -66,6 +88,16 @@ class GRPOConfig(BaseModel):
         module = {"dask": "prefect_dask", "ray": "prefect_ray"}.get(value)
         if module and importlib.util.find_spec(module) is None:
             raise ValueError(f"task runner {value!r} needs {module.replace('_', '-')}: pip install -e '.[scale]'")
+        return value
+
+    @field_validator("sampler")
+    @classmethod
+    def _sampler_installed(cls, value: str) -> str:
+        import importlib.util
+
+        if value == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise ValueError("sampler 'vllm' needs vLLM on a CUDA machine: pip install -e '.[vllm]'; "
+                             "elsewhere use sampler=transformers")
         return value
 
     @field_validator("reward")
@@ -83,6 +115,21 @@ class GRPOConfig(BaseModel):
         from mint.losses import resolve_loss
 
         resolve_loss(info.data.get("loss_fn", "importance_sampling"), value)
+        return value
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _has_question(cls, value: str) -> str:
+        if "{question}" not in value:
+            raise ValueError("prompt_template must contain '{question}' where the problem goes")
+        return value
+
+    @field_validator("overlong_cache")
+    @classmethod
+    def _cache_below_max_tokens(cls, value: int, info) -> int:
+        max_tokens = info.data.get("max_tokens")
+        if value and max_tokens is not None and value >= max_tokens:
+            raise ValueError(f"overlong_cache {value} must be below max_tokens {max_tokens} (L_max)")
         return value
 
     def run_key(self) -> str:

@@ -20,8 +20,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from flows.config import GRPOConfig
 from flows.tracking import Tracker
+from mint.grpo import is_constant
 from tasks.common import data_dir
-from tasks.rollouts import compute_advantages, evaluate, sample, score
+from tasks.rollouts import compute_advantages, evaluate, keep_mixed_groups, reward_metrics, sample, score
 from tasks.train import init_policy, sft_warm_start, train
 
 
@@ -88,8 +89,10 @@ def grpo(config: GRPOConfig) -> dict:
     with Tracker(data_dir(), f"mintflow-{config.recipe}", config.run_key(), f"{config.recipe}-{config.run_key()}",
                  _flat_params(config), flow_run.get_id()) as tracker:
         lora = dict(base_model=config.base_model, rank=config.rank, train_unembed=config.train_unembed)
-        evaluate_args = dict(dataset=config.dataset, eval_size=config.eval_size, max_tokens=config.max_tokens,
-                             reward=config.reward, reward_options=config.reward_options)
+        evaluate_args = dict(dataset=config.eval_dataset or config.dataset, eval_size=config.eval_size,
+                             max_tokens=config.max_tokens, reward=config.reward, reward_options=config.reward_options,
+                             prompt_template=config.prompt_template, samples=config.eval_samples,
+                             temperature=config.temperature, seed=config.seed, **_sampler_args(config))
 
         policy = run(init_policy, seed=config.seed, **lora)
         history: list[dict] = []
@@ -109,15 +112,14 @@ def grpo(config: GRPOConfig) -> dict:
             for iteration in range(1, config.iterations + 1):
                 started = time.perf_counter()
                 run.seconds.clear()
-                rollouts, sample_metrics = run(sample, policy, dataset=config.dataset,
-                                               groups_per_batch=config.groups_per_batch, group_size=config.group_size,
-                                               max_tokens=config.max_tokens, temperature=config.temperature,
-                                               seed=config.seed, iteration=iteration)
-                rewards = run.fan_out(score, config.task_runner, config.score_shards, rollouts=rollouts,
-                                      reward=config.reward, reward_options=config.reward_options)
+                rollouts, rewards, sample_metrics = sample_and_score(run, config, policy, iteration)
                 batch, batch_metrics = run(compute_advantages, rollouts, rewards, base_model=config.base_model,
                                            kl_penalty_coef=config.kl_penalty_coef,
-                                           remove_constant_reward_groups=config.remove_constant_reward_groups)
+                                           remove_constant_reward_groups=config.remove_constant_reward_groups,
+                                           max_tokens=config.max_tokens, overlong_cache=config.overlong_cache,
+                                           overlong_penalty_factor=config.overlong_penalty_factor,
+                                           loss_normalization=config.loss_normalization)
+                batch_metrics.update(sample_metrics.pop("sampled_reward_metrics", {}))
                 policy, train_metrics = run(train, policy, batch, loss_fn=config.loss_fn,
                                             loss_fn_config=config.loss_fn_config, learning_rate=config.learning_rate,
                                             grad_clip_norm=config.grad_clip_norm, iteration=iteration, **lora)
@@ -152,6 +154,38 @@ def grpo(config: GRPOConfig) -> dict:
             "final_checkpoint": policy.path, "final_checkpoint_digest": policy.digest,
             "final_eval": {k: v for k, v in final_eval.items() if k.startswith("eval_")},
             "history": rows, "tasks_ran": run.ran, "tasks_cached": run.cached}
+
+
+def sample_and_score(run: StageRunner, config: GRPOConfig, policy, iteration: int) -> tuple[Any, list, dict]:
+    """Sample a batch of groups and score them. With dynamic sampling (DAPO), keep sampling new
+    problems until ``groups_per_batch`` groups have mixed rewards or ``max_sampling_rounds`` ran,
+    and keep only those groups."""
+    rounds, round_rewards, metrics = [], [], {}
+    for sampling_round in range(config.max_sampling_rounds if config.dynamic_sampling else 1):
+        rollouts, round_metrics = run(sample, policy, dataset=config.dataset, groups_per_batch=config.groups_per_batch,
+                                      group_size=config.group_size, max_tokens=config.max_tokens,
+                                      temperature=config.temperature, seed=config.seed, iteration=iteration,
+                                      prompt_template=config.prompt_template, sampling_round=sampling_round,
+                                      **_sampler_args(config))
+        rewards = run.fan_out(score, config.task_runner, config.score_shards, rollouts=rollouts,
+                              reward=config.reward, reward_options=config.reward_options)
+        rounds.append(rollouts)
+        round_rewards.append(rewards)
+        for name, value in round_metrics.items():
+            metrics[name] = metrics.get(name, 0.0) + value
+        if sum(not is_constant(r) for rs in round_rewards for r in rs) >= config.groups_per_batch:
+            break
+    metrics["sample_tokens_per_s"] = metrics["sampled_tokens"] / max(metrics["sample_seconds"], 1e-9)
+    if not config.dynamic_sampling:
+        return rounds[0], round_rewards[0], metrics
+    rollouts, rewards, kept = run(keep_mixed_groups, rounds, round_rewards, groups_per_batch=config.groups_per_batch)
+    # The reward curve stays the one of what was sampled, not of the groups kept.
+    metrics["sampled_reward_metrics"] = reward_metrics([r for rs in round_rewards for r in rs])
+    return rollouts, rewards, {**metrics, **kept}
+
+
+def _sampler_args(config: GRPOConfig) -> dict:
+    return {"sampler": config.sampler, "gpu_memory_utilization": config.gpu_memory_utilization}
 
 
 def _eval_due(config: GRPOConfig, iteration: int) -> bool:

@@ -87,3 +87,43 @@ def incorporate_kl_penalty(datums: Sequence[types.Datum], reference_logprobs: Se
         inputs = {**datum.loss_fn_inputs, "advantages": advantages}
         out.append(types.Datum(model_input=datum.model_input, loss_fn_inputs=inputs))
     return out, mean_kl
+
+
+def overlong_penalty(length: int, max_length: int, cache: int, factor: float = 1.0) -> float:
+    """DAPO's soft overlong punishment R_length: 0 up to ``L_max - L_cache`` tokens, then falling
+    linearly to ``-factor`` at ``L_max`` (``max_length``), ``-factor`` beyond. ``cache`` = 0 turns it off."""
+    if cache <= 0:
+        return 0.0
+    if not 0 < cache <= max_length:
+        raise ValueError(f"overlong cache: L_cache {cache} must be in (0, L_max={max_length}]")
+    expected = max_length - cache
+    if length <= expected:
+        return 0.0
+    if length <= max_length:
+        return factor * (expected - length) / cache
+    return -factor
+
+
+LOSS_NORMALIZATIONS = ("sum", "token", "sequence")
+
+
+def normalize_advantages(datums: Sequence[types.Datum], mode: str) -> list[types.Datum]:
+    """Scale advantages so the summed loss becomes a mean.
+
+    ``sum``: as they are (the engine sums over tokens). ``token``: divided by the batch's total
+    response tokens, DAPO's token-level normalization (long replies weigh in proportion to their
+    length). ``sequence``: each datum's divided by its own response length times the number of
+    datums, GRPO's per-sample mean (every reply weighs the same).
+    """
+    if mode not in LOSS_NORMALIZATIONS:
+        raise ValueError(f"loss_normalization: {mode!r}; expected one of {LOSS_NORMALIZATIONS}")
+    if mode == "sum" or not datums:
+        return list(datums)
+    lengths = [float((d.loss_fn_inputs["weights"].to_torch() != 0).sum()) for d in datums]
+    total = sum(lengths)
+    out = []
+    for datum, length in zip(datums, lengths):
+        scale = 1.0 / max(total, 1.0) if mode == "token" else 1.0 / (max(length, 1.0) * len(datums))
+        inputs = {**datum.loss_fn_inputs, "advantages": datum.loss_fn_inputs["advantages"].to_torch() * scale}
+        out.append(types.Datum(model_input=datum.model_input, loss_fn_inputs=inputs))
+    return out

@@ -68,6 +68,9 @@ def math_reward(completion: str, example: dict, format_bonus: float = 0.0) -> fl
     return score
 
 
+math_reward.shaping_options = ("format_bonus",)  # evaluation leaves these out of accuracy
+
+
 def last_integer_reward(completion: str, example: dict) -> float:
     """1 if the last integer in the reply equals the answer: the reference job's reward (issue 4)."""
     numbers = re.findall(r"-?\d+", completion)

@@ -123,6 +123,20 @@ def service() -> mint.ServiceClient:
         return _service
 
 
+def sampling_client(policy_path: str, sampler: str = "transformers", gpu_memory_utilization: float = 0.5):
+    """A sampling client for the policy checkpoint on the chosen backend (the mint engine, or vLLM)."""
+    if sampler == "transformers":
+        return service().create_sampling_client(model_path=policy_path)
+    from mint.checkpoints import read_manifest
+    from mint.models import load_base_model, resolve_weights
+    from mint.vllm_sampling import VLLMSamplingClient
+
+    base_model = read_manifest(policy_path)["base_model"]
+    base = load_base_model(base_model)  # the tokenizer and stop tokens, shared with training
+    return VLLMSamplingClient(resolve_weights(base_model), base.tokenizer, sorted(base.stop_token_ids()),
+                              model_path=policy_path, gpu_memory_utilization=gpu_memory_utilization)
+
+
 _holds: dict[int, str] = {}  # id(training client) -> digest of the checkpoint its state equals
 
 
@@ -158,9 +172,10 @@ def save_from(client: mint.TrainingClient, key: str) -> Artifact:
     return artifact
 
 
-def render_prompt(tokenizer, question: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                         return_dict=False)
+def render_prompt(tokenizer, question: str, template: str = "{question}") -> list[int]:
+    """The chat-templated user turn; ``template`` wraps the problem (replace, not format: LaTeX has braces)."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": template.replace("{question}", question)}],
+                                         add_generation_prompt=True, return_dict=False)
 
 
 def is_transient(exc: BaseException) -> bool:
