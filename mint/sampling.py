@@ -111,6 +111,23 @@ class SamplingClient:
     async def compute_logprobs_async(self, prompt):
         return self.compute_logprobs(prompt)
 
+    def next_token_logprobs(self, prompt: ModelInput, token_ids: list[int]) -> APIFuture[list[float]]:
+        """log p(t | prompt) for each ``t`` in ``token_ids``: one forward, the next position only
+        (a judge's grading tokens; a mintflow extension of the API)."""
+        tokens = self._check_prompt(prompt)
+        if not token_ids or any(not 0 <= t < self.base.vocab_size for t in token_ids):
+            raise ValueError(f"token_ids: expected ids in [0, {self.base.vocab_size}), got {token_ids!r}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            with lora.merged(self.base, self.adapter) as model, torch.inference_mode():
+                body, head = lora.decoder_and_head(model)
+                hidden = body(input_ids=torch.tensor([tokens], device=self.base.device)).last_hidden_state[0, -1:]
+                logprobs = torch.log_softmax(head(hidden).float(), dim=-1)[0]
+            future.set_result(logprobs[torch.tensor(token_ids, device=logprobs.device)].tolist())
+        except Exception as e:
+            future.set_exception(e)
+        return APIFuture(future)
+
     def _check_prompt(self, prompt: ModelInput) -> list[int]:
         if not isinstance(prompt, ModelInput):
             raise TypeError(f"prompt: expected types.ModelInput, got {type(prompt).__name__}")

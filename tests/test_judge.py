@@ -16,6 +16,7 @@ from rewards.judge import (
     HttpJudge,
     JudgeError,
     LocalJudge,
+    TextJudge,
     check_constraints,
     judge_group_reward,
     pairwise_win_rates,
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-class ScriptedJudge:
+class ScriptedJudge(TextJudge):
     """A judge whose verdict is a function of the prompt (for the arithmetic of win rates)."""
 
     def __init__(self, verdict):
@@ -43,8 +44,8 @@ def _reply(prompt: str, which: str) -> str:
 
 
 def test_ratings_and_choices_are_read_from_the_verdict():
-    assert parse_rating("8") == pytest.approx(7 / 9)
-    assert parse_rating("Rating: 10/10") == 1.0
+    assert parse_rating("8") == pytest.approx(7 / 8)
+    assert parse_rating("Rating: 9/9") == 1.0
     assert parse_rating("1") == 0.0
     assert parse_rating("I cannot rate this.") == 0.5  # unreadable: the middle of the scale
     assert parse_choice("B") == "B" and parse_choice("Reply A is better") == "A"
@@ -66,7 +67,7 @@ def test_pairwise_rewards_are_win_rates_within_the_group():
 
 def test_a_single_reply_is_graded_pointwise():
     judge = ScriptedJudge(lambda p: "7")
-    assert pairwise_win_rates(judge, "q", ["only"]) == [pytest.approx(6 / 9)]
+    assert pairwise_win_rates(judge, "q", ["only"]) == [pytest.approx(6 / 8)]
 
 
 def test_constraints_are_checked_and_mixed_into_the_reward():
@@ -90,6 +91,17 @@ def test_the_local_judge_grades_a_group_in_one_batch():
     pairwise = judge_group_reward(replies, {"id": "q", "question": problem["question"]}, mode="pairwise",
                                   judge_model=EMBEDDED)
     assert sum(pairwise) == pytest.approx(1.0)  # two replies: the win rates split the comparisons
+    assert len(set(pairwise)) == 2  # probabilities: never an exact tie
+
+
+@pytest.mark.model
+def test_the_local_judges_probabilities_prefer_a_right_answer_over_a_wrong_one():
+    question = "What is the capital of France?"
+    judge = LocalJudge(EMBEDDED)
+    right, wrong = pairwise_win_rates(judge, question, ["The capital of France is Paris.",
+                                                        "The capital of France is Berlin."])
+    assert right > wrong
+    assert LocalJudge(EMBEDDED, grading="text").rate(["x"])[0] in [i / 8 for i in range(9)] + [0.5]
 
 
 # ---------------------------------------------------------------- HTTP
