@@ -88,3 +88,56 @@ def test_a_malformed_datum_is_refused_naming_the_field_and_changes_nothing(clien
     assert grads_snapshot(client).keys() == grads.keys()
     assert all((a is None and b is None) or torch.equal(a, b)
                for a, b in zip(grads.values(), grads_snapshot(client).values()))
+
+
+def _bounded_fields() -> list[tuple[str, float | None, float | None, type]]:
+    """(name, lowest allowed, highest allowed, type) of every numeric GRPOConfig field with bounds."""
+    import annotated_types
+
+    from flows.config import GRPOConfig
+
+    fields = []
+    for name, info in GRPOConfig.model_fields.items():
+        if info.annotation not in (int, float):
+            continue
+        low = next((m.ge if isinstance(m, annotated_types.Ge) else m.gt for m in info.metadata
+                    if isinstance(m, (annotated_types.Ge, annotated_types.Gt))), None)
+        high = next((m.le for m in info.metadata if isinstance(m, annotated_types.Le)), None)
+        fields.append((name, low, high, info.annotation))
+    return fields
+
+
+BOUNDED = _bounded_fields()
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_config_values_out_of_bounds_or_of_the_wrong_type_are_refused_naming_the_field(data):
+    from pydantic import ValidationError
+
+    from flows.config import GRPOConfig
+
+    name, low, high, kind = data.draw(st.sampled_from(BOUNDED))
+    number = st.integers if kind is int else (lambda **k: st.floats(allow_nan=False, allow_infinity=False, **k))
+    choices = [st.just("not a number"), st.just([1, 2])]
+    if low is not None:
+        choices.append(number(max_value=low - 1, min_value=low - 10**9))
+    if high is not None:
+        choices.append(number(min_value=high + 1, max_value=high + 10**12))
+    value = data.draw(st.one_of(choices))
+    with pytest.raises(ValidationError) as error:
+        GRPOConfig.model_validate({name: value})
+    assert name in str(error.value)
+
+
+@settings(max_examples=30, deadline=None)
+@given(key=st.from_regex(r"[a-z][a-z_]{2,20}", fullmatch=True))
+def test_an_unknown_config_key_is_refused_naming_it(key):
+    from pydantic import ValidationError
+
+    from flows.config import GRPOConfig
+
+    if key in GRPOConfig.model_fields:
+        return
+    with pytest.raises(ValidationError, match=key):
+        GRPOConfig.model_validate({key: 1})
