@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from flows.config import GRPOConfig
 from flows.tracking import Tracker
+from mint.checkpoints import failpoint
 from mint.grpo import is_constant
 from tasks.common import data_dir
 from tasks.rollouts import compute_advantages, evaluate, keep_mixed_groups, reward_metrics, sample, score
@@ -35,6 +36,7 @@ class StageRunner:
         self.seconds: dict[str, float] = {}
 
     def __call__(self, task, *args, **kwargs) -> Any:
+        failpoint(f"stage:{task.name}")
         start = time.perf_counter()
         state = task(*args, return_state=True, **kwargs)
         self.seconds[task.name] = time.perf_counter() - start
@@ -44,6 +46,7 @@ class StageRunner:
     def fan_out(self, task, runner: str, shards: int, **kwargs) -> list:
         """``task`` on ``shards`` shards (``shard=i, shards=n``) through the named task runner; the
         shards' lists interleaved back into one (shard i holds items i, i+n, ...)."""
+        failpoint(f"stage:{task.name}")
         start = time.perf_counter()
         with task_runner(runner, shards) as pool:
             futures = [pool.submit(task, parameters={**kwargs, "shard": i, "shards": shards}) for i in range(shards)]
@@ -129,6 +132,7 @@ def grpo(config: GRPOConfig) -> dict:
                 record.update({f"stage_seconds_{name}": s for name, s in run.seconds.items()})
                 record["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # of this process
                 tracker.log_step(iteration, _numbers(record))
+                failpoint("flow:iteration_logged")
                 if _eval_due(config, iteration):
                     tracker.log_checkpoint(iteration, policy.path)
                 record["iteration_seconds"] = time.perf_counter() - started  # all of it: tasks, Prefect, MLflow

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +43,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def failpoint(name: str) -> None:
+    """Die here, as a crash would (SIGKILL), when ``$MINTFLOW_FAULT`` names this point.
+
+    The fault-injection tests set it; nothing else does. Points: ``checkpoint:before_rename``
+    here, ``stage:<task>`` before each flow stage, ``train:checkpoint_written``,
+    ``flow:iteration_logged``.
+    """
+    if os.environ.get("MINTFLOW_FAULT") == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def write_checkpoint(path: str | Path, write_files: Callable[[Path], None], meta: dict[str, Any]) -> Path:
     """Write a checkpoint folder at ``path`` atomically; an existing one is replaced whole."""
     path = Path(path).expanduser().absolute()
@@ -59,6 +71,7 @@ def write_checkpoint(path: str | Path, write_files: Callable[[Path], None], meta
         with open(tmp / MANIFEST, "rb+") as f:
             os.fsync(f.fileno())
         _fsync_dir(tmp)
+        failpoint("checkpoint:before_rename")
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
             path.rename(old / "ckpt")

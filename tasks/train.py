@@ -8,6 +8,7 @@ import torch
 from prefect import task
 
 from mint import types
+from mint.checkpoints import failpoint
 from rewards import datasets
 from tasks.common import (
     TRANSIENT_RETRIES,
@@ -87,4 +88,6 @@ def train(policy: Artifact, batch: Artifact, base_model: str, rank: int, train_u
                    "entropy": float(-sampler.mean()), "train_tokens": tokens}
     seconds = time.perf_counter() - start
     metrics.update(train_seconds=seconds, train_tokens_per_s=metrics.get("train_tokens", 0) / max(seconds, 1e-9))
-    return save_from(client, key), metrics
+    policy = save_from(client, key)
+    failpoint("train:checkpoint_written")  # the new checkpoint is on disk, the task's result is not
+    return policy, metrics

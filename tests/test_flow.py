@@ -127,13 +127,16 @@ def test_bad_config_values_are_refused_before_any_work_naming_the_field(override
     assert not (tmp_path / "checkpoints").exists()
 
 
-def _cli(home: Path, *extra) -> subprocess.Popen:
+def _cli(home: Path, *extra, fault: str | None = None) -> subprocess.Popen:
     args = [sys.executable, "-m", "flows.cli", "run", "math", "--json"]
     for item in TINY + ["seed=21", *extra]:
         args += ["--set", item]
     env = {**os.environ, "MINTFLOW_HOME": str(home), "PREFECT_HOME": str(home / "prefect"),
            "PREFECT_LOCAL_STORAGE_PATH": str(home / "prefect" / "storage")}
     env.pop("PREFECT_API_URL", None)
+    env.pop("MINTFLOW_FAULT", None)
+    if fault:
+        env["MINTFLOW_FAULT"] = fault
     home.mkdir(parents=True, exist_ok=True)
     log = open(home / "stderr.log", "a")  # noqa: SIM115 - closed with the process
     # Its own session: a kill takes the whole group, the CLI's ephemeral Prefect server included, as a crash would.
@@ -147,9 +150,51 @@ def _summary(proc: subprocess.Popen, home: Path) -> dict:
     return json.loads(out[out.index("{"):])
 
 
-def test_kill_9_mid_run_then_rerun_matches_an_uninterrupted_run(tmp_path):
-    reference = _summary(_cli(tmp_path / "reference"), tmp_path / "reference")
+def _kill_group(proc: subprocess.Popen) -> None:
+    """What a crash of the machine's process would also take: the CLI's ephemeral Prefect server."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The tiny CLI run, uninterrupted."""
+    home = tmp_path_factory.mktemp("reference")
+    return _summary(_cli(home), home)
+
+
+def _assert_same_result_and_clean_history(resumed: dict, reference: dict, home: Path) -> None:
+    from mint.checkpoints import read_manifest
+
+    assert resumed["final_checkpoint_digest"] == reference["final_checkpoint_digest"]
+    assert resumed["final_eval"]["eval_accuracy"] == reference["final_eval"]["eval_accuracy"]
+    assert [h["mean_reward"] for h in resumed["history"]] == [h["mean_reward"] for h in reference["history"]]
+    client = MlflowClient(resumed["mlflow_tracking_uri"])
+    for metric, steps in (("reward_mean", [1, 2]), ("iteration_done", [0, 1, 2])):  # every step once, none twice
+        assert sorted(m.step for m in client.get_metric_history(resumed["mlflow_run_id"], metric)) == steps
+    for folder in (home / "checkpoints").iterdir():  # every checkpoint in place is complete and verified
+        if not folder.name.startswith("."):
+            read_manifest(folder)
+
+
+FAULTS = ["stage:sft_warm_start", "stage:evaluate", "stage:sample", "stage:score", "stage:compute_advantages",
+          "stage:train", "train:checkpoint_written", "checkpoint:before_rename", "flow:iteration_logged"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_crash_at_any_stage_then_a_rerun_gives_the_uninterrupted_result(reference, tmp_path, fault):
+    home = tmp_path / "crashed"
+    crashed = _cli(home, fault=fault)
+    crashed.wait(timeout=600)
+    _kill_group(crashed)  # before reading: its orphaned server would hold the output pipe open
+    crashed.communicate()
+    assert crashed.returncode == -signal.SIGKILL, (home / "stderr.log").read_text()[-3000:]
+    _assert_same_result_and_clean_history(_summary(_cli(home), home), reference, home)
+
+
+def test_kill_9_mid_run_then_rerun_matches_an_uninterrupted_run(reference, tmp_path):
     home = tmp_path / "killed"
     proc = _cli(home)
     deadline = time.time() + 300
@@ -164,11 +209,7 @@ def test_kill_9_mid_run_then_rerun_matches_an_uninterrupted_run(tmp_path):
 
     resumed = _summary(_cli(home), home)
     assert resumed["tasks_cached"] >= 4 and resumed["tasks_ran"] < len(STAGES)
-    assert resumed["final_checkpoint_digest"] == reference["final_checkpoint_digest"]
-    assert resumed["final_eval"]["eval_accuracy"] == reference["final_eval"]["eval_accuracy"]
-    assert [h["mean_reward"] for h in resumed["history"]] == [h["mean_reward"] for h in reference["history"]]
-    client = MlflowClient(resumed["mlflow_tracking_uri"])
-    assert [m.step for m in client.get_metric_history(resumed["mlflow_run_id"], "reward_mean")] == [1, 2]
+    _assert_same_result_and_clean_history(resumed, reference, home)
 
 
 def test_eval_command_scores_a_checkpoint(service, tmp_path):
