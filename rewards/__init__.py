@@ -2,7 +2,7 @@
 
 A reward scores one reply, ``(completion, problem, **options) -> float``, or, marked with
 ``group_reward = True``, a whole group at once, ``(completions, problem, **options) -> list[float]``
-(a judge comparing the replies of a group). ``score_group`` calls either kind.
+(a judge comparing the replies of a group), called through ``score_group``.
 """
 
 from __future__ import annotations
@@ -30,10 +30,8 @@ def is_group_reward(reward_fn: Callable) -> bool:
 
 
 def score_group(reward_fn: Callable, completions: Sequence[str], problem: dict, options: dict) -> list[float]:
-    """Rewards of one group of replies to ``problem``."""
-    if is_group_reward(reward_fn):
-        scores = [float(s) for s in reward_fn(list(completions), problem, **options)]
-        if len(scores) != len(completions):
-            raise ValueError(f"group reward returned {len(scores)} scores for {len(completions)} replies")
-        return scores
-    return [float(reward_fn(c, problem, **options)) for c in completions]
+    """A group reward's scores for one group of replies to ``problem``, one per reply."""
+    scores = [float(s) for s in reward_fn(list(completions), problem, **options)]
+    if len(scores) != len(completions):
+        raise ValueError(f"group reward returned {len(scores)} scores for {len(completions)} replies")
+    return scores

@@ -199,12 +199,8 @@ EVAL_ONLY = {"humaneval": _humaneval, "aime2024": lambda: _mmath("AIME2024"), "a
              "math500": lambda: _mmath("MATH500")}
 
 
-def load_pool(dataset: str) -> list[dict] | None:
-    """All problems of a finite dataset, or None for a generator."""
-    if dataset in GENERATED:
-        return None
-    if dataset in EVAL_ONLY:
-        return EVAL_ONLY[dataset]()
+def load_pool(dataset: str) -> list[dict]:
+    """All problems of a finite training dataset (generated and evaluation-only sets are handled by the callers)."""
     if dataset in POOLS:
         return POOLS[dataset]()
     if dataset in HUB_DATASETS:

@@ -50,6 +50,11 @@ RATINGS = [str(r) for r in range(1, 10)]
 _CHOICE = re.compile(r"\b([AB])\b")
 
 
+def judge_messages(prompt: str) -> list[dict]:
+    """The chat every judge backend is asked: the judge's system line, then the rubric prompt."""
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
+
+
 class JudgeError(RuntimeError):
     """The judge could not be reached or kept answering with something unusable."""
 
@@ -93,22 +98,21 @@ class LocalJudge(TextJudge):
         """P(choice | prompt) as the first token of the judge's reply, renormalized over ``choices``."""
         import math
 
-        from mint import types
 
         tokenizer = self._sampler.get_tokenizer()
         ids = [tokenizer.encode(c, add_special_tokens=False)[0] for c in choices]
-        futures = [self._sampler.next_token_logprobs(types.ModelInput.from_ints(self._render(p)), ids)
-                   for p in prompts]
+        futures = [self._sampler.next_token_logprobs(self._tokens(judge_messages(p)), ids) for p in prompts]
         out = []
         for future in futures:
             weights = [math.exp(lp) for lp in future.result()]
             out.append([w / sum(weights) for w in weights])
         return out
 
-    def _render(self, prompt: str) -> list[int]:
-        return self._sampler.get_tokenizer().apply_chat_template(
-            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}], add_generation_prompt=True,
-            return_dict=False)
+    def _tokens(self, messages: list[dict]):
+        from mint import types
+
+        return types.ModelInput.from_ints(self._sampler.get_tokenizer().apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=False))
 
     @functools.cached_property
     def _sampler(self):
@@ -117,7 +121,7 @@ class LocalJudge(TextJudge):
         return mint.ServiceClient().create_sampling_client(base_model=self.model)
 
     def complete(self, prompts: Sequence[str]) -> list[str]:
-        return self.chat([[{"role": "system", "content": SYSTEM}, {"role": "user", "content": p}] for p in prompts])
+        return self.chat([judge_messages(p) for p in prompts])
 
     def chat(self, conversations: Sequence[list[dict]], max_tokens: int | None = None) -> list[str]:
         """Greedy replies to chat conversations, all in one batch."""
@@ -125,8 +129,7 @@ class LocalJudge(TextJudge):
 
         tokenizer = self._sampler.get_tokenizer()
         greedy = types.SamplingParams(max_tokens=max_tokens or self.max_tokens, temperature=0.0)
-        futures = [self._sampler.sample(types.ModelInput.from_ints(tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_dict=False)), 1, greedy) for messages in conversations]
+        futures = [self._sampler.sample(self._tokens(messages), 1, greedy) for messages in conversations]
         return [tokenizer.decode(f.result().sequences[0].tokens, skip_special_tokens=True) for f in futures]
 
 
@@ -148,7 +151,7 @@ class HttpJudge(TextJudge):
         import httpx
 
         body = {"model": self.model, "temperature": 0.0, "max_tokens": self.max_tokens,
-                "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]}
+                "messages": judge_messages(prompt)}
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         failure = ""
         for attempt in range(self.max_retries + 1):

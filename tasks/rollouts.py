@@ -126,12 +126,9 @@ def compute_advantages(rollouts: Artifact, rewards: list[list[float]], base_mode
         rewards = [[r + p for r, p in zip(rs, ps)] for rs, ps in zip(rewards, penalties)]
         metrics["overlong_penalty_mean"] = statistics.fmean([p for ps in penalties for p in ps]) if groups else 0.0
     datums = []
-    constant = 0
     for group, group_rewards in zip(groups, rewards, strict=True):
-        if grpo.is_constant(group_rewards):
-            constant += 1
-            if remove_constant_reward_groups:
-                continue
+        if remove_constant_reward_groups and grpo.is_constant(group_rewards):
+            continue
         samples = [types.SampledSequence(tokens=s["tokens"], logprobs=s["logprobs"], stop_reason=s["stop_reason"])
                    for s in group["samples"]]
         datums += grpo.group_datums(group["prompt_tokens"], samples, group_rewards)

@@ -3,6 +3,7 @@
 import atexit
 import os
 import shutil
+import socket
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,6 +40,13 @@ def service_fp32(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tokenizer(service):
     return service.create_sampling_client(base_model=EMBEDDED).get_tokenizer()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for servers a test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def chat_prompt(tokenizer, text: str) -> list[int]:

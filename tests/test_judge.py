@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from rewards.judge import (
     HttpJudge,
@@ -105,12 +106,6 @@ def test_the_local_judges_probabilities_prefer_a_right_answer_over_a_wrong_one()
 
 
 # ---------------------------------------------------------------- HTTP
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_for(port: int, process=None, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -129,7 +124,7 @@ def _server(app):
     """A uvicorn server for ``app`` on a free loopback port, in a thread."""
     import uvicorn
 
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -182,7 +177,7 @@ def test_a_flaky_endpoint_is_retried_until_it_answers(monkeypatch):
 
 @pytest.mark.model
 def test_the_http_judge_on_the_served_local_judge_matches_the_local_judge():
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "flows.cli", "judge-serve", "--model", EMBEDDED, "--port",
                                str(port)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

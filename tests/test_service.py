@@ -6,25 +6,19 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 pytestmark = pytest.mark.service
 
 BIN = Path(sys.executable).parent
 TINY = {"iterations": 1, "eval_every": 0, "eval_size": 4, "groups_per_batch": 2, "group_size": 2, "max_tokens": 4,
         "sft": None}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _clean_env(home: Path) -> dict:
@@ -36,7 +30,7 @@ def _clean_env(home: Path) -> dict:
 def served(tmp_path_factory):
     home = tmp_path_factory.mktemp("served")
     process = subprocess.Popen([str(BIN / "mintflow"), "serve", "--home", str(home), "--prefect-port",
-                                str(_free_port()), "--mlflow-port", str(_free_port())],
+                                str(free_port()), "--mlflow-port", str(free_port())],
                                env=_clean_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240
     while not (home / "servers.json").is_file():
