@@ -52,6 +52,8 @@ class GRPOConfig(BaseModel):
     iterations: int = Field(20, ge=1, le=1_000_000, description="GRPO iterations")
     eval_every: int = Field(5, ge=0, le=1_000_000, description="Evaluate every N iterations (0 = only at the end)")
     eval_size: int = Field(50, ge=1, le=10_000, description="Held-out problems per evaluation")
+    keep_checkpoints: int = Field(0, ge=0, le=1_000_000, description="Keep the last N policy checkpoints and the "
+                                  "best evaluated one on disk, deleting older ones (0 = keep all)")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Base seed; every stage derives its own")
     remove_constant_reward_groups: bool = Field(False, description="Drop groups whose rewards are all equal")
     sft: SFTConfig | None = Field(None, description="Optional SFT warm start before RL")
@@ -134,8 +136,9 @@ class GRPOConfig(BaseModel):
 
     def run_key(self) -> str:
         """Identifies a run: the same config resumes the same run (and the same MLflow run).
-        How stages are spread over workers changes no result, so it is not part of the key."""
-        what = self.model_dump(exclude={"task_runner", "score_shards"})
+        How stages are spread over workers and how many checkpoints are kept change no result, so
+        they are not part of the key."""
+        what = self.model_dump(exclude={"task_runner", "score_shards", "keep_checkpoints"})
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 

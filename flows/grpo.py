@@ -10,8 +10,10 @@ from __future__ import annotations
 import re
 import resource
 import time
+from pathlib import Path
 from typing import Any
 
+import psutil
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.runtime import flow_run
@@ -22,43 +24,108 @@ from flows.config import GRPOConfig
 from flows.tracking import Tracker
 from mint.checkpoints import failpoint
 from mint.grpo import is_constant
-from tasks.common import data_dir
+from tasks.common import (
+    Artifact,
+    ArtifactError,
+    artifacts_in,
+    content_key,
+    data_dir,
+    exclusive,
+    intact,
+    remove_checkpoint,
+    replace_artifact,
+)
 from tasks.rollouts import compute_advantages, evaluate, keep_mixed_groups, reward_metrics, sample, score
 from tasks.train import init_policy, sft_warm_start, train
 
 
 class StageRunner:
-    """Calls tasks, counting which ran and which came back from the cache, and timing each stage."""
+    """Calls tasks: counts which ran and which came back from the cache, times each stage, and
+    remakes a bad input.
+
+    Every artifact a task returns is remembered with the call that made it. When a task fails
+    and one of its input artifacts is missing or corrupted (deleted by the retention policy, a
+    disk fault, a hand edit), that call is rerun with a fresh cache, which rewrites the
+    artifact, and then the task is retried. So a bad file is recomputed where it is needed and
+    never propagates, and a rerun replaying the cache never needs files it does not read.
+    """
 
     def __init__(self) -> None:
         self.ran = 0
         self.cached = 0
+        self.remade = 0
         self.seconds: dict[str, float] = {}
+        self._makers: dict[str, tuple] = {}  # artifact path -> (task, args, kwargs) of the call that wrote it
 
     def __call__(self, task, *args, **kwargs) -> Any:
         failpoint(f"stage:{task.name}")
         start = time.perf_counter()
-        state = task(*args, return_state=True, **kwargs)
+        result = self._call(task, args, kwargs)
         self.seconds[task.name] = time.perf_counter() - start
-        self._count(state)
-        return state.result()
+        return result
 
     def fan_out(self, task, runner: str, shards: int, **kwargs) -> list:
         """``task`` on ``shards`` shards (``shard=i, shards=n``) through the named task runner; the
         shards' lists interleaved back into one (shard i holds items i, i+n, ...)."""
         failpoint(f"stage:{task.name}")
         start = time.perf_counter()
-        with task_runner(runner, shards) as pool:
-            futures = [pool.submit(task, parameters={**kwargs, "shard": i, "shards": shards}) for i in range(shards)]
-            for future in futures:
-                future.wait()
-                self._count(future.state)
-            parts = [future.result() for future in futures]
+        parts = self._call(task, (), kwargs, shards=(runner, shards))
         self.seconds[task.name] = time.perf_counter() - start
         merged = [None] * sum(len(part) for part in parts)
         for i, part in enumerate(parts):
             merged[i::shards] = part
         return merged
+
+    def ensure(self, artifact: Artifact) -> Artifact:
+        """``artifact`` if it is intact on disk, else remade by the call that wrote it."""
+        return artifact if intact(artifact) else self._remake(artifact)
+
+    def _call(self, task, args: tuple, kwargs: dict, refresh: bool = False, shards: tuple | None = None,
+              inputs_remade: bool = False) -> Any:
+        runnable = task.with_options(refresh_cache=True) if refresh else task
+        bad: list[Artifact] = []
+        # Another process computing the same stage (a run of another config sharing the cache) goes
+        # first; this one then finds its result in the cache. 256 lock files, not one per call.
+        with exclusive(f"stage-{content_key(task.name, {'args': args, **kwargs})[:2]}"):
+            try:
+                result = self._submit(runnable, args, kwargs, shards) if shards else self._run(runnable, args, kwargs)
+            except Exception:
+                bad = [a for a in artifacts_in((args, kwargs)) if not intact(a)]
+                if not bad or inputs_remade:
+                    raise
+        if bad:
+            for artifact in bad:
+                remade = self._remake(artifact)
+                args, kwargs = replace_artifact(args, artifact, remade), replace_artifact(kwargs, artifact, remade)
+            return self._call(task, args, kwargs, refresh, shards, inputs_remade=True)
+        for artifact in artifacts_in(result):
+            self._makers[artifact.path] = (task, args, kwargs)
+        return result
+
+    def _remake(self, artifact: Artifact) -> Artifact:
+        if artifact.path not in self._makers:
+            raise ArtifactError(f"artifact {artifact.path} is missing or corrupted, and no stage of this run "
+                                "made it, so it cannot be remade")
+        task, args, kwargs = self._makers[artifact.path]
+        get_run_logger().warning("%s is missing or corrupted: rerunning %s to remake it", artifact.path, task.name)
+        self.remade += 1
+        result = self._call(task, args, kwargs, refresh=True)
+        return next(a for a in artifacts_in(result) if a.path == artifact.path)
+
+    def _run(self, task, args: tuple, kwargs: dict) -> Any:
+        state = task(*args, return_state=True, **kwargs)
+        result = state.result()
+        self._count(state)  # after the result: an attempt that failed on a bad input is not counted
+        return result
+
+    def _submit(self, task, args: tuple, kwargs: dict, shards: tuple) -> list:
+        runner, n = shards
+        with task_runner(runner, n) as pool:
+            futures = [pool.submit(task, parameters={**kwargs, "shard": i, "shards": n}) for i in range(n)]
+            results = [future.result() for future in futures]
+            for future in futures:
+                self._count(future.state)
+            return results
 
     def _count(self, state) -> None:
         if state.name == "Cached":
@@ -88,7 +155,16 @@ def task_runner(name: str, workers: int):
 @flow(name="grpo")
 def grpo(config: GRPOConfig) -> dict:
     logger = get_run_logger()
+    # A second run of the same config waits for the first, then replays its results from the cache:
+    # two writers would log every MLflow step twice.
+    with exclusive(f"run-{config.run_key()}", on_wait=lambda: logger.warning(
+            "another run of this config (%s) is in progress: waiting for it to finish", config.run_key())):
+        return _grpo(config, logger)
+
+
+def _grpo(config: GRPOConfig, logger) -> dict:
     run = StageRunner()
+    process = psutil.Process()
     with Tracker(data_dir(), f"mintflow-{config.recipe}", config.run_key(), f"{config.recipe}-{config.run_key()}",
                  _flat_params(config), flow_run.get_id()) as tracker:
         lora = dict(base_model=config.base_model, rank=config.rank, train_unembed=config.train_unembed)
@@ -100,7 +176,9 @@ def grpo(config: GRPOConfig) -> dict:
         policy = run(init_policy, seed=config.seed, **lora)
         history: list[dict] = []
         first = {"iteration": 0}
+        retention = Retention(config.keep_checkpoints)
         if config.sft:
+            retention.add(policy, None)
             policy, sft_metrics = run(sft_warm_start, policy, dataset=config.sft.dataset, steps=config.sft.steps,
                                       batch_size=config.sft.batch_size, learning_rate=config.sft.learning_rate,
                                       seed=config.seed, **lora)
@@ -108,6 +186,7 @@ def grpo(config: GRPOConfig) -> dict:
         first.update(run(evaluate, policy, **evaluate_args))
         tracker.log_step(0, _numbers(first))
         history.append(first)
+        retention.add(policy, first["eval_accuracy"])
         logger.info("iteration 0: held-out accuracy %.2f", first["eval_accuracy"])
 
         with _progress() as bar:
@@ -131,10 +210,19 @@ def grpo(config: GRPOConfig) -> dict:
                     record.update(run(evaluate, policy, **evaluate_args))
                 record.update({f"stage_seconds_{name}": s for name, s in run.seconds.items()})
                 record["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # of this process
+                record["rss_mb"] = process.memory_info().rss / 2**20
+                record["open_files"] = process.num_fds()
+                record["child_processes"] = len(process.children(recursive=True))
                 tracker.log_step(iteration, _numbers(record))
                 failpoint("flow:iteration_logged")
-                if _eval_due(config, iteration):
-                    tracker.log_checkpoint(iteration, policy.path)
+                if _eval_due(config, iteration) and not tracker.checkpoint_logged(iteration):
+                    if Path(policy.path).exists():
+                        policy = run.ensure(policy)  # a corrupted one is remade, never uploaded
+                        tracker.log_checkpoint(iteration, policy.path)
+                    else:  # a replay into a new MLflow run does not remake what retention deleted
+                        logger.warning("iteration %d: checkpoint %s was deleted (keep_checkpoints=%d); "
+                                       "not logged to MLflow", iteration, policy.path, config.keep_checkpoints)
+                retention.add(policy, record.get("eval_accuracy"))
                 record["iteration_seconds"] = time.perf_counter() - started  # all of it: tasks, Prefect, MLflow
                 history.append(record)
                 accuracy = f"{record['eval_accuracy']:.2f}" if "eval_accuracy" in record else None
@@ -142,6 +230,7 @@ def grpo(config: GRPOConfig) -> dict:
                            **({"accuracy": accuracy} if accuracy else {}))
 
         tracker.log_curves(history)
+        policy = run.ensure(policy)
         version = tracker.register_adapter(f"mintflow-{config.recipe}", policy.path)
 
     rows = [{"iteration": h["iteration"], "mean_reward": round(h["reward_mean"], 3) if "reward_mean" in h else None,
@@ -157,7 +246,7 @@ def grpo(config: GRPOConfig) -> dict:
             "registered_model": f"mintflow-{config.recipe}", "registered_version": version,
             "final_checkpoint": policy.path, "final_checkpoint_digest": policy.digest,
             "final_eval": {k: v for k, v in final_eval.items() if k.startswith("eval_")},
-            "history": rows, "tasks_ran": run.ran, "tasks_cached": run.cached}
+            "history": rows, "tasks_ran": run.ran, "tasks_cached": run.cached, "artifacts_remade": run.remade}
 
 
 def sample_and_score(run: StageRunner, config: GRPOConfig, policy, iteration: int) -> tuple[Any, list, dict]:
@@ -186,6 +275,31 @@ def sample_and_score(run: StageRunner, config: GRPOConfig, policy, iteration: in
     # The reward curve stays the one of what was sampled, not of the groups kept.
     metrics["sampled_reward_metrics"] = reward_metrics([r for rs in round_rewards for r in rs])
     return rollouts, rewards, {**metrics, **kept}
+
+
+class Retention:
+    """Keeps the last ``keep_last`` policy checkpoints and the best evaluated one, deleting the rest
+    (0 = keep all). A deleted one that a later stage needs is remade by ``StageRunner``."""
+
+    def __init__(self, keep_last: int) -> None:
+        self.keep_last = keep_last
+        self.policies: list[tuple[Artifact, float | None]] = []
+        self.deleted: set[str] = set()
+
+    def add(self, policy: Artifact, eval_accuracy: float | None) -> list[Artifact]:
+        """Record the newest policy; delete the checkpoints no longer kept, and return them."""
+        self.policies.append((policy, eval_accuracy))
+        if not self.keep_last:
+            return []
+        keep = {p.path for p, _ in self.policies[-self.keep_last:]}
+        evaluated = [(accuracy, i) for i, (_, accuracy) in enumerate(self.policies) if accuracy is not None]
+        if evaluated:
+            keep.add(self.policies[max(evaluated)[1]][0].path)  # the best; the latest of equals
+        old = [p for p, _ in self.policies if p.path not in keep and p.path not in self.deleted]
+        for artifact in old:
+            remove_checkpoint(artifact)
+            self.deleted.add(artifact.path)
+        return old
 
 
 def _sampler_args(config: GRPOConfig) -> dict:

@@ -65,6 +65,9 @@ class Tracker:
             self.client.log_batch(self.run_id, metrics=batch[start:start + 900])
         self._logged.add(step)
 
+    def checkpoint_logged(self, step: int) -> bool:
+        return f"checkpoints/iter-{step:05d}" in self._artifacts
+
     def log_checkpoint(self, step: int, path: str) -> None:
         name = f"checkpoints/iter-{step:05d}"
         if name not in self._artifacts:

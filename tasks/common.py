@@ -8,18 +8,21 @@ or file a task writes is named by that same key, so outputs are content-addresse
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock, Timeout
 from pydantic import BaseModel
 
 import mint
-from mint.checkpoints import checkpoint_digest
+from mint.checkpoints import CheckpointError, checkpoint_digest, read_manifest
 
 _ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,14 +94,86 @@ def write_json(kind: str, key: str, obj: Any) -> Artifact:
     return Artifact(path=str(path), digest=sha256_file(path))
 
 
+class ArtifactError(ValueError):
+    """An artifact file whose content no longer matches its digest."""
+
+
 def read_json(artifact: Artifact) -> Any:
     """Read an artifact file, refusing one whose content no longer matches its digest."""
     path = Path(artifact.path)
     if not path.is_file():
         raise FileNotFoundError(f"artifact {path} is missing")
     if sha256_file(path) != artifact.digest:
-        raise ValueError(f"artifact {path} is corrupted: its sha256 no longer matches")
+        raise ArtifactError(f"artifact {path} is corrupted: its sha256 no longer matches")
     return json.loads(path.read_text())
+
+
+def intact(artifact: Artifact) -> bool:
+    """Whether the artifact is on disk with exactly the content it had when written (checkpoints: verified)."""
+    path = Path(artifact.path)
+    try:
+        if path.is_dir():
+            read_manifest(path)
+            return checkpoint_digest(path) == artifact.digest
+        return path.is_file() and sha256_file(path) == artifact.digest
+    except CheckpointError:
+        return False
+
+
+def artifacts_in(value: Any) -> list[Artifact]:
+    """Every Artifact inside a task's arguments or result (nested in tuples, lists and dicts)."""
+    if isinstance(value, Artifact):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [a for item in value for a in artifacts_in(item)]
+    if isinstance(value, dict):
+        return [a for item in value.values() for a in artifacts_in(item)]
+    return []
+
+
+def replace_artifact(value: Any, old: Artifact, new: Artifact) -> Any:
+    """``value`` with every occurrence of ``old`` replaced by ``new`` (same nesting)."""
+    if isinstance(value, Artifact):
+        return new if value == old else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(replace_artifact(item, old, new) for item in value)
+    if isinstance(value, dict):
+        return {k: replace_artifact(item, old, new) for k, item in value.items()}
+    return value
+
+
+def remove_checkpoint(artifact: Artifact) -> None:
+    """Delete a checkpoint folder: renamed away first, so no reader ever sees it half deleted."""
+    path = Path(artifact.path)
+    if not path.is_dir():
+        return
+    trash = Path(tempfile.mkdtemp(prefix=f".{path.name}.deleted-", dir=path.parent))
+    try:
+        path.rename(trash / "ckpt")
+    except FileNotFoundError:  # another run sharing the cache deleted it first
+        pass
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def exclusive(name: str, on_wait=None):
+    """Hold the lock file ``$MINTFLOW_HOME/locks/<name>.lock`` (released by the kernel if we die).
+
+    ``on_wait`` is called once if another process holds it, before waiting.
+    """
+    folder = data_dir() / "locks"
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(folder / f"{name}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        if on_wait:
+            on_wait()
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def checkpoint_dir(key: str) -> Path:
@@ -196,6 +271,16 @@ def retry_on_transient(task, task_run, state) -> bool:
     return False
 
 
-# Task options: compute stages retry only transient errors; reward stages (judges, sandboxes) retry any error.
+def retry_unless_bad_input(task, task_run, state) -> bool:
+    """Prefect ``retry_condition_fn``: retry anything but a missing or corrupted input (the flow remakes it)."""
+    try:
+        state.result()
+    except Exception as exc:
+        return not isinstance(exc, (ArtifactError, CheckpointError, FileNotFoundError))
+    return False
+
+
+# Task options: compute stages retry only transient errors; reward stages (judges, sandboxes) retry any error
+# but a bad input artifact.
 TRANSIENT_RETRIES = dict(retries=2, retry_delay_seconds=[2, 8], retry_condition_fn=retry_on_transient)
-REWARD_RETRIES = dict(retries=3, retry_delay_seconds=[1, 2, 4])
+REWARD_RETRIES = dict(retries=3, retry_delay_seconds=[1, 2, 4], retry_condition_fn=retry_unless_bad_input)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -113,6 +114,73 @@ def test_a_reward_that_keeps_failing_stops_the_run_naming_the_sample(harness, ho
     assert run.info.status == "FAILED"
     checkpoints = list((home / "checkpoints").iterdir())
     assert len(checkpoints) == 2 and all((c / "manifest.json").is_file() for c in checkpoints)  # init + sft kept
+
+
+def _policies(home: Path) -> list[Path]:
+    return sorted(p for p in (home / "checkpoints").iterdir() if not p.name.startswith("."))
+
+
+def _corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupted_or_deleted_artifact_is_remade_where_it_is_needed_and_the_result_is_unchanged(harness, home):
+    from flows.grpo import grpo
+    from mint.checkpoints import read_manifest
+
+    config = tiny("seed=14")
+    first = grpo(config)
+    final = Path(first["final_checkpoint"])
+    rollouts = sorted((home / "rollouts").glob("*.json"), key=lambda p: p.stat().st_mtime)
+    datums = sorted((home / "datums").glob("*.json"), key=lambda p: p.stat().st_mtime)
+    # The final checkpoint and iteration 2's batch and rollouts are corrupted, iteration 1's policy is gone:
+    # remaking the final policy needs all of them, in a chain.
+    _corrupt(final / "adapter_model.safetensors")
+    _corrupt(datums[-1])
+    _corrupt(rollouts[-1])
+    shutil.rmtree(_policy_after(home, iteration=1))
+
+    second = grpo(config)
+    assert second["final_checkpoint_digest"] == first["final_checkpoint_digest"]
+    assert second["artifacts_remade"] == 4
+    assert second["tasks_ran"] == 4  # train 1, sample 2, compute_advantages 2, train 2; nothing else
+    assert [h["mean_reward"] for h in second["history"]] == [h["mean_reward"] for h in first["history"]]
+    for path in (final, datums[-1], rollouts[-1]):
+        assert path.exists()
+    read_manifest(final)
+    client = MlflowClient(second["mlflow_tracking_uri"])
+    assert sorted(m.step for m in client.get_metric_history(second["mlflow_run_id"], "iteration_done")) == [0, 1, 2]
+
+
+def test_retention_keeps_the_last_checkpoints_and_the_best_and_a_rerun_never_needs_the_deleted_ones(harness, home):
+    from flows.grpo import grpo
+    from mint.checkpoints import read_manifest
+
+    first = grpo(tiny("seed=15", "iterations=3", "eval_every=1", "keep_checkpoints=1"))
+    accuracy = {h["iteration"]: h["eval_accuracy"] for h in first["history"]}
+    best = max(accuracy, key=lambda i: (accuracy[i], i))
+    kept = _policies(home)
+    assert Path(first["final_checkpoint"]) in kept
+    assert len(kept) == (1 if best == 3 else 2)  # init, SFT and the other iterations' policies are deleted
+    for path in kept:
+        read_manifest(path)
+    assert not [p for p in (home / "checkpoints").iterdir() if p.name.startswith(".")]  # nothing half deleted
+
+    again = grpo(tiny("seed=15", "iterations=3", "eval_every=1", "keep_checkpoints=1"))
+    assert again["tasks_ran"] == 0 and again["artifacts_remade"] == 0
+    longer = grpo(tiny("seed=15", "iterations=4", "eval_every=1", "keep_checkpoints=1"))
+    assert longer["artifacts_remade"] == 0
+    assert longer["tasks_ran"] == 5  # iteration 4's sample, score, advantages, train, evaluate
+
+
+def _policy_after(home: Path, iteration: int) -> Path:
+    """The checkpoint folder of the policy after GRPO ``iteration`` (TINY has one SFT step before)."""
+    from mint.checkpoints import read_manifest
+
+    [found] = [p for p in _policies(home) if read_manifest(p, verify=False)["step"] == 1 + iteration]
+    return found
 
 
 @pytest.mark.parametrize("override, field", [
