@@ -280,6 +280,32 @@ def test_kill_9_mid_run_then_rerun_matches_an_uninterrupted_run(reference, tmp_p
     _assert_same_result_and_clean_history(resumed, reference, home)
 
 
+def test_runs_at_once_sharing_one_home_wait_or_reuse_and_never_cross_talk(reference, tmp_path):
+    """Two runs of one config and a run of another config, started together on one cache and MLflow store."""
+    home = tmp_path / "shared"
+    same = [_cli(home), _cli(home)]
+    other = _cli(home, "learning_rate=0.0002")
+    first, second = (_summary(proc, home) for proc in same)
+    different = _summary(other, home)
+
+    for summary in (first, second):  # the same result as alone; the waiting one replayed the other's
+        assert summary["final_checkpoint_digest"] == reference["final_checkpoint_digest"]
+    assert sorted([first["tasks_ran"], second["tasks_ran"]])[0] == 0
+    assert first["mlflow_run_id"] == second["mlflow_run_id"] != different["mlflow_run_id"]
+    assert "waiting for it to finish" in (home / "stderr.log").read_text()
+    # Until the first train step (its learning rate differs) the two configs' stages are the same ones:
+    # init_policy, sft_warm_start, evaluate, and iteration 1's sample, score and advantages, computed once.
+    assert first["tasks_ran"] + second["tasks_ran"] + different["tasks_ran"] == 2 * len(STAGES) - 6
+    client = MlflowClient(first["mlflow_tracking_uri"])
+    for run_id in (first["mlflow_run_id"], different["mlflow_run_id"]):
+        assert sorted(m.step for m in client.get_metric_history(run_id, "iteration_done")) == [0, 1, 2]
+    assert different["final_checkpoint_digest"] != reference["final_checkpoint_digest"]
+    from mint.checkpoints import read_manifest
+
+    for folder in _policies(home):
+        read_manifest(folder)
+
+
 def test_eval_command_scores_a_checkpoint(service, tmp_path):
     path = service.create_lora_training_client("HuggingFaceTB/SmolLM2-135M-Instruct", rank=16, seed=0) \
         .save_state(str(tmp_path / "policy")).result().path
