@@ -1,10 +1,12 @@
 """Run untrusted code in a bubblewrap sandbox.
 
-The program sees a read-only ``/usr``, its own ``/proc`` (only its processes), a minimal
-``/dev`` and two private size-limited tmpfs folders (``/sandbox``, its working folder, and
-``/tmp``); nothing else of the host. It has no network (a new, empty network namespace), no
-environment from the host (``--clearenv``), no capabilities, and runs under a uid of its own
-(an unprivileged user, picked per run, when we are root: RLIMIT_NPROC does not bind root).
+The program sees a read-only ``/usr``, its own ``/proc`` (only its processes), a minimal read-only
+``/dev`` and three private size-limited tmpfs folders (``/sandbox``, its working folder, ``/tmp``
+and ``/dev/shm``); nothing else of the host, and nothing else it can write. It is the init of its
+PID namespace and cannot make namespaces of its own (bubblewrap 0.8 or later). It has no network
+(a new, empty network namespace), no environment from the host (``--clearenv``), no capabilities,
+and runs under a uid of its own (an unprivileged user, picked per run, when we are root:
+RLIMIT_NPROC does not bind root).
 CPU time, address space, file size (which also caps its output), open files and processes
 are limited with ``prlimit``; the wall clock by us. When the program ends or is killed, the
 kernel kills everything left in its PID namespace, so nothing outlives the run.
@@ -36,7 +38,7 @@ class Limits:
     file_size_mb: int = 4  # any file it writes, its stdout and stderr included
     processes: int = 16
     open_files: int = 64
-    tmpfs_mb: int = 32  # each of /sandbox and /tmp
+    tmpfs_mb: int = 32  # each of /sandbox, /tmp and /dev/shm
 
 
 DEFAULT_LIMITS = Limits()
@@ -114,14 +116,23 @@ def _command(program_fd: int, limits: Limits, interpreter: str) -> list[str]:
     else:  # RLIMIT_NPROC counts all of this user's processes, so leave room for the ones already running
         command += [f"--nproc={_processes_of(os.getuid()) + limits.processes}", "--"]
     tmpfs = str(limits.tmpfs_mb * mb)
-    command += ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+    # --as-pid-1: the program is its PID namespace's init, with no bubblewrap reaper beside it: that
+    # reaper ran as the program's uid, so the program could ptrace it (and read its environ, the host's
+    # PATH); now every process it can name is its own. --disable-userns: in a user namespace of its own
+    # the program could mount a tmpfs of any size and fill host memory past every limit below.
+    command += ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--as-pid-1", "--die-with-parent",
+                "--new-session", "--cap-drop", "ALL",
                 "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/sandbox",
                 "--setenv", "LANG", "C.UTF-8", "--hostname", "sandbox",
                 "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib"]
     if os.path.isdir("/usr/lib64"):
         command += ["--symlink", "usr/lib64", "/lib64"]
     command += ["--proc", "/proc", "--dev", "/dev", "--size", tmpfs, "--tmpfs", "/sandbox", "--size", tmpfs,
-                "--tmpfs", "/tmp", "--chdir", "/sandbox", "--file", str(program_fd), "/sandbox/main.py",
+                "--tmpfs", "/tmp", "--size", tmpfs, "--tmpfs", "/dev/shm", "--chdir", "/sandbox",
+                "--file", str(program_fd), "/sandbox/main.py",
+                # bubblewrap's own / and /dev are tmpfs without a size limit: writable, they let the program
+                # fill host memory past tmpfs_mb (4 GB in 2 CPU seconds), so they are remounted read-only
+                "--remount-ro", "/dev", "--remount-ro", "/",
                 "--", interpreter, "-I", "-B", "/sandbox/main.py"]
     return command
 

@@ -5,6 +5,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -35,6 +36,18 @@ def _leftovers() -> list[str]:
             if "/sandbox/main.py" in cmdline or MARKER in cmdline:
                 found.append(f"{entry.name}: {cmdline}")
     return found
+
+
+def _a_fresh_sandbox_follows() -> None:
+    """The next run works and starts from empty folders: nothing an earlier run made or planted is left."""
+    result = run_program("import os\nprint([sorted(os.listdir(f)) for f in ('/sandbox', '/tmp', '/dev/shm')])",
+                         limits=QUICK)
+    assert result.ok and result.stdout.strip() == "[['main.py'], [], []]", result
+
+
+def _on_the_host(source: str) -> str:
+    """What a probe prints when run outside the sandbox: the control that shows it would see an escape."""
+    return subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=30).stdout
 
 
 @pytest.fixture(autouse=True)
@@ -93,13 +106,18 @@ def test_a_problem_without_tests_is_refused_clearly():
     "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)",
     "open('/usr/escaped', 'w').write('out')",
     "open('/etc/shadow').read()",
-], ids=["fork-bomb", "infinite-loop", "memory-hog", "huge-output", "write-system", "read-shadow"])
+    "n = 0\nwhile True:\n    n += 1\n    for folder in ('/sandbox', '/tmp', '/dev/shm'):\n"
+    "        open(f'{folder}/{n}', 'w').close()",
+    "import os\nos.chdir('/tmp')\nwhile True:\n    os.mkdir('d')\n    os.chdir('d')",
+], ids=["fork-bomb", "infinite-loop", "memory-hog", "huge-output", "write-system", "read-shadow", "many-files",
+        "deep-directories"])
 def test_hostile_programs_earn_nothing_and_end_within_the_limits(attack):
     start = time.monotonic()
     assert code_reward(f"```python\n{attack}\n{SOLUTION}```", ADD_3, cpu_seconds=2, wall_seconds=6,
                        memory_mb=256) == 0.0
     assert time.monotonic() - start < 15
     assert not os.path.exists("/usr/escaped")
+    _a_fresh_sandbox_follows()
 
 
 def test_huge_output_is_capped_at_the_file_size_limit():
@@ -148,10 +166,21 @@ def test_no_network_even_to_a_listening_host_port():
 
 def test_the_host_environment_is_not_visible(monkeypatch):
     monkeypatch.setenv("MINTFLOW_TEST_SECRET", "env-secret-token")
-    result = run_program("import os\nprint(dict(os.environ))\nprint(open('/proc/self/environ').read())",
-                         limits=QUICK)
+    # PATH is the one variable the harness passes on (to find prlimit, setpriv and bwrap)
+    monkeypatch.setenv("PATH", f"{os.environ['PATH']}:/path-secret-token")
+    probe = """
+import os
+print(dict(os.environ))
+for pid in ['self'] + [p for p in os.listdir('/proc') if p.isdigit()]:  # /proc/1/environ among them
+    print(pid, open(f'/proc/{pid}/environ').read())
+"""
+    control = _on_the_host(probe)
+    assert "env-secret-token" in control and "path-secret-token" in control
+    result = run_program(probe, limits=QUICK)
     assert result.ok, result.stderr
-    assert "env-secret-token" not in result.stdout and "MINTFLOW_TEST_SECRET" not in result.stdout
+    assert "\n1 PATH=" in result.stdout  # it did read /proc/1/environ
+    for leak in ("env-secret-token", "MINTFLOW_TEST_SECRET", "path-secret-token"):
+        assert leak not in result.stdout
 
 
 def test_it_sees_only_its_own_processes_and_cannot_signal_the_host():
@@ -159,7 +188,7 @@ def test_it_sees_only_its_own_processes_and_cannot_signal_the_host():
     try:
         program = f"""
 import os, signal
-print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))
+print({{p: open(f'/proc/{{p}}/cmdline').read().split('\\0')[:-1] for p in os.listdir('/proc') if p.isdigit()}})
 for pid in ({sentinel.pid}, {os.getpid()}, os.getppid(), -1):
     try:
         os.kill(pid, signal.SIGKILL)
@@ -169,8 +198,8 @@ for pid in ({sentinel.pid}, {os.getpid()}, os.getppid(), -1):
 print('still here')
 """
         result = run_program(program, limits=QUICK)
-        visible = eval(result.stdout.splitlines()[0])  # noqa: S307 - our own program's printed list
-        assert len(visible) <= 3, visible  # bubblewrap's init, the program, maybe one more
+        visible = eval(result.stdout.splitlines()[0])  # noqa: S307 - our own program's printed {pid: cmdline}
+        assert visible == {"1": ["/usr/bin/python3", "-I", "-B", "/sandbox/main.py"]}  # itself, its namespace's init
         assert "still here" in result.stdout  # kill(-1) reached nothing it could hurt
         assert sentinel.poll() is None  # and the host process survived
     finally:
@@ -190,3 +219,150 @@ os._exit(0)
     result = run_program(program, limits=QUICK)
     assert result.returncode == 0 and not result.timed_out
     # the autouse fixture checks that no `sleep 1234.5` is left on the host
+
+
+def test_symlinks_it_plants_lead_nowhere_on_the_host(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the host's working folder
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host-secret-token")
+    escaped = tmp_path / "escaped.txt"
+    targets = [str(secret), str(tmp_path), "/etc/shadow", "/root", f"/proc/1/root{secret}",
+               f"/proc/self/root{tmp_path}", f"../../../../../..{secret}"]
+    program = f"""
+import os
+links = [f'{{folder}}/link{{n}}' for folder in ('/sandbox', '/tmp') for n in range({len(targets)})]
+for link, target in zip(links, {targets!r} * 2):
+    os.symlink(target, link)
+for link in links:
+    try:
+        print('read', link, os.listdir(link) if os.path.isdir(link) else open(link).read())
+    except OSError as e:
+        print(link, type(e).__name__)
+try:  # the host's folders made again inside, so that writing through a link lands somewhere
+    os.makedirs({str(tmp_path)!r}, exist_ok=True)
+except OSError as e:
+    print('makedirs', type(e).__name__)
+# and links where a harness might write next: the program file it copies in, files named like its output
+os.remove('/sandbox/main.py')
+for link in ('/sandbox/out', '/tmp/out', '/sandbox/main.py', '/sandbox/stdout', '/tmp/stdout', '/tmp/stderr'):
+    os.symlink({str(escaped)!r}, link)
+    with open(link, 'a') as f:
+        f.write('escaped')
+print('planted')
+"""
+    result = run_program(program, limits=QUICK)
+    assert result.ok and "planted" in result.stdout, result.stderr
+    assert "host-secret-token" not in result.stdout and "read " not in result.stdout  # every read failed
+    assert sorted(os.listdir(tmp_path)) == ["secret.txt"] and secret.read_text() == "host-secret-token"
+    _a_fresh_sandbox_follows()
+    assert not escaped.exists()
+
+
+def test_proc_and_sys_show_no_host_mounts_and_take_no_writes():
+    program = """
+import os
+print([line.split()[4] for line in open('/proc/self/mountinfo')])
+for path in ('/proc/sys/kernel/core_pattern', '/proc/sys/kernel/hostname', '/proc/sys/vm/drop_caches',
+             '/proc/sysrq-trigger', '/sys/kernel/uevent_helper', '/sys/fs/cgroup/cgroup.procs'):
+    try:
+        os.close(os.open(path, os.O_WRONLY))  # opening shows it could write; nothing is written
+        print('writable', path)
+    except OSError as e:
+        print(path, type(e).__name__)
+"""
+    result = run_program(program, limits=QUICK)
+    assert result.ok, result.stderr
+    mounts = eval(result.stdout.splitlines()[0])  # noqa: S307 - our own program's printed list
+    assert all(m in ("/", "/usr", "/proc", "/sandbox", "/tmp", "/dev") or m.startswith("/dev/")
+               for m in mounts), mounts  # no host folder (this checkout, host tmp, home) is mounted inside
+    assert "writable" not in result.stdout
+
+
+PTRACE = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+libc.process_vm_readv.restype = ctypes.c_ssize_t
+
+class IoVec(ctypes.Structure):
+    _fields_ = [('base', ctypes.c_void_p), ('length', ctypes.c_size_t)]
+
+def first_mapping(pid):
+    try:
+        with open(f'/proc/{{pid}}/maps') as maps:
+            return int(maps.readline().split('-')[0], 16)
+    except (OSError, ValueError):
+        return 0x400000
+
+for pid in {targets}:
+    for request in (0x4206, 16):  # PTRACE_SEIZE, PTRACE_ATTACH
+        if libc.ptrace(request, pid, None, None) == 0:
+            print('attached', pid)
+            break
+    buffer = ctypes.create_string_buffer(8)
+    mine, theirs = IoVec(ctypes.addressof(buffer), 8), IoVec(first_mapping(pid), 8)
+    if libc.process_vm_readv(pid, ctypes.byref(mine), 1, ctypes.byref(theirs), 1, 0) == 8:
+        print('read from', pid)
+print('tried', {targets})
+"""
+
+
+def test_it_can_ptrace_no_process():
+    # control: on the host the probe attaches to, and reads, a child of its own (a cat that ends with it)
+    control = _on_the_host(PTRACE.format(targets="[__import__('subprocess').Popen(['cat'], stdin=-1).pid]"))
+    assert "attached" in control and "read from" in control, control
+    sentinel = subprocess.Popen(["sleep", "60"])
+    try:
+        # the host's processes, PID 1, its parent and every other process its /proc lists
+        targets = (f"[pid for pid in [{os.getpid()}, {sentinel.pid}, 1, os.getppid(), "
+                   "*map(int, filter(str.isdigit, os.listdir('/proc')))] if pid != os.getpid()]")
+        result = run_program(PTRACE.format(targets=targets), limits=QUICK)
+        assert result.ok and "tried" in result.stdout, result.stderr
+        assert "attached" not in result.stdout and "read from" not in result.stdout
+        assert sentinel.poll() is None
+    finally:
+        sentinel.kill()
+        sentinel.wait()
+
+
+def test_only_the_size_limited_folders_take_data():
+    limits = Limits(cpu_seconds=2, wall_seconds=6, memory_mb=256, tmpfs_mb=4)
+    program = """
+import os
+for folder in ('/', '/dev', '/etc', '/proc', '/usr', '/dev/shm', '/sandbox', '/tmp'):
+    stored = 0
+    try:
+        os.makedirs(f'{folder}/fill', exist_ok=True)
+        while stored < 64:  # MB: far more than a 4 MB folder holds
+            with open(f'{folder}/fill/{stored}', 'wb') as f:
+                f.write(bytes(1 << 20))
+            stored += 1
+    except OSError:
+        pass
+    print(folder, stored)
+"""
+    result = run_program(program, limits=limits)
+    assert result.ok, result.stderr
+    stored = {folder: int(mb) for folder, mb in (line.split() for line in result.stdout.splitlines())}
+    assert all(stored[folder] == 0 for folder in ("/", "/dev", "/etc", "/proc", "/usr")), stored  # read-only
+    assert all(0 < stored[folder] <= limits.tmpfs_mb for folder in ("/dev/shm", "/sandbox", "/tmp")), stored
+
+
+def test_it_cannot_mount_a_filesystem_of_its_own():
+    program = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+uid, gid = os.getuid(), os.getgid()
+os.makedirs('/tmp/own', exist_ok=True)
+if libc.unshare(0x10000000 | 0x20000) == 0:  # CLONE_NEWUSER | CLONE_NEWNS: every capability, in there
+    print('unshared')
+    for name, text in (('uid_map', f'0 {uid} 1'), ('setgroups', 'deny'), ('gid_map', f'0 {gid} 1')):
+        with open(f'/proc/self/{name}', 'w') as f:
+            f.write(text)
+if libc.mount(b'none', b'/tmp/own', b'tmpfs', 0, None) == 0:  # a tmpfs of any size it likes
+    print('mounted', os.statvfs('/tmp/own').f_blocks)
+print('tried')
+"""
+    result = run_program(program, limits=QUICK)
+    assert result.ok and "tried" in result.stdout, result.stderr
+    assert "unshared" not in result.stdout and "mounted" not in result.stdout
