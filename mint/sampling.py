@@ -11,6 +11,11 @@ prefilled together once, each prompt's cache is then copied to its
 decodes all groups at once. The logprob reported for a sampled token is the
 model's own (temperature 1) log-probability, computed by the same head code as the
 trainer's forward, so importance ratios start at 1 on-policy.
+
+Prompts are never truncated, nor ``max_tokens`` cut: an empty prompt, one longer than the
+model's context (``max_position_embeddings``), or ``max_tokens`` beyond what the context has
+left after the prompt raises ValueError at the call, naming the lengths. ``max_tokens=None``
+means "up to the end of the context".
 """
 
 from __future__ import annotations
@@ -71,8 +76,6 @@ class SamplingClient:
         if not isinstance(topk_prompt_logprobs, int) or topk_prompt_logprobs < 0:
             raise ValueError(f"topk_prompt_logprobs: expected an integer >= 0, got {topk_prompt_logprobs!r}")
         room = self.base.max_length - len(tokens)
-        if room < 0:
-            raise ValueError(f"prompt: {len(tokens)} tokens exceed the model's context of {self.base.max_length}")
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room:
             raise ValueError(f"sampling_params.max_tokens: {max_tokens} new tokens after a {len(tokens)}-token "
@@ -134,6 +137,9 @@ class SamplingClient:
         tokens = prompt.to_ints()
         if not tokens:
             raise ValueError("prompt: empty (needs at least one token)")
+        if len(tokens) > self.base.max_length:  # positions past the window run, but on weights never trained there
+            raise ValueError(f"prompt: {len(tokens)} tokens exceed the model's context of {self.base.max_length} "
+                             "(max_position_embeddings); shorten the prompt, nothing is truncated")
         vocab = self.base.vocab_size
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:

@@ -56,8 +56,8 @@ class Batch:
     """A validated list of datums: their inputs flattened in datum order, and their layout for the
     forward pass (shared prompts once, then responses; see ``mint.prefix``)."""
 
-    def __init__(self, data: Sequence[Datum], vocab_size: int, required: Sequence[str]):
-        self.vocab_size, self.required = vocab_size, tuple(required)
+    def __init__(self, data: Sequence[Datum], vocab_size: int, required: Sequence[str], max_length: int | None = None):
+        self.vocab_size, self.required, self.max_length = vocab_size, tuple(required), max_length
         if not isinstance(data, (list, tuple)) or len(data) == 0:
             raise ValueError("data: expected a non-empty list of types.Datum")
         lengths, inputs = [], {}
@@ -67,6 +67,9 @@ class Batch:
             n = datum.model_input.length
             if n == 0:
                 raise ValueError(f"data[{i}].model_input: empty (a datum needs at least one token)")
+            if max_length is not None and n > max_length:  # past the window the model runs, on untrained positions
+                raise ValueError(f"data[{i}].model_input: {n} tokens exceed the model's context of {max_length} "
+                                 "(max_position_embeddings); shorten the datum, nothing is truncated")
             for name in required:
                 if name not in datum.loss_fn_inputs:
                     raise ValueError(f"data[{i}].loss_fn_inputs: missing {name!r}, which this loss needs")
@@ -123,7 +126,8 @@ class Batch:
                 widths = (int(m > 0), m, rest)
             parts[-1].extend(group)
             prompts, prompt_width, response_width = widths
-        return [(part, Batch([self.data[i] for i in part], self.vocab_size, self.required)) for part in parts]
+        return [(part, Batch([self.data[i] for i in part], self.vocab_size, self.required, self.max_length))
+                for part in parts]
 
 
 class TrainingClient:
@@ -164,21 +168,21 @@ class TrainingClient:
                          loss_fn_config: Mapping[str, float] | None = None) -> APIFuture[ForwardBackwardOutput]:
         """Forward, loss, backward; gradients accumulate until ``optim_step``."""
         spec, config = resolve_loss(loss_fn, loss_fn_config)
-        batch = Batch(data, self.base.vocab_size, spec.required_inputs)
+        batch = Batch(data, self.base.vocab_size, spec.required_inputs, self.base.max_length)
         return self._submit(self._run_loss, batch, spec.fn, config, True)
 
     def forward(self, data: Sequence[Datum], loss_fn: str,
                 loss_fn_config: Mapping[str, float] | None = None) -> APIFuture[ForwardBackwardOutput]:
         """The same outputs and metrics as ``forward_backward``, without gradients."""
         spec, config = resolve_loss(loss_fn, loss_fn_config)
-        batch = Batch(data, self.base.vocab_size, spec.required_inputs)
+        batch = Batch(data, self.base.vocab_size, spec.required_inputs, self.base.max_length)
         return self._submit(self._run_loss, batch, spec.fn, config, False)
 
     def forward_backward_custom(self, data: Sequence[Datum], loss_fn: CustomLossFn) -> APIFuture[ForwardBackwardOutput]:
         """Any differentiable ``loss_fn(data, logprobs_list) -> (loss, metrics)`` on per-token target logprobs."""
         if not callable(loss_fn):
             raise TypeError("loss_fn: expected a callable (data, logprobs_list) -> (loss, metrics)")
-        batch = Batch(data, self.base.vocab_size, ("target_tokens",))
+        batch = Batch(data, self.base.vocab_size, ("target_tokens",), self.base.max_length)
         return self._submit(self._run_custom, batch, loss_fn)
 
     def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:

@@ -62,20 +62,55 @@ def _hub(name: str) -> list[dict]:
 
 
 def _jsonl(path: Path) -> list[dict]:
+    """One problem per line (``\\n``-separated, UTF-8, an optional BOM); blank lines are skipped.
+
+    Text is kept as written: control characters, NUL and the like, escaped or raw inside a
+    string, stay in the question (the tokenizer encodes them). Anything else odd (bytes that
+    are not UTF-8, a line that is not a JSON object, a missing, non-string or blank question, a
+    missing, null, array or object answer) raises ValueError naming the file and line; the whole
+    file is checked when it is loaded, before any problem is used. Prompts are never truncated:
+    a question too long for the model's context is refused by the engine (mint) when it is used.
+    """
     problems = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # split on b"\n" only: a raw \r or \x85 inside a string stays in it
+        for line_no, raw in enumerate(f, 1):
+            where = f"dataset {path}:{line_no}"
+            try:
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                 "re-save the file as UTF-8") from None
             if not line.strip():
                 continue
-            row = json.loads(line)
-            if "question" not in row or "answer" not in row:
-                raise ValueError(f"dataset {path}:{line_no}: each line needs 'question' and 'answer'")
+            try:
+                row = json.loads(line, strict=False)  # strict=False: raw control characters in strings are kept
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be "
+                                 'one object like {"question": ..., "answer": ...}') from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object, got a JSON {_json_kind(row)}")
+            missing = [k for k in ("question", "answer") if k not in row]
+            if missing:
+                raise ValueError(f"{where}: each line needs 'question' and 'answer'; missing "
+                                 f"{' and '.join(map(repr, missing))}")
+            question, answer = row["question"], row["answer"]
+            if not isinstance(question, str):
+                raise ValueError(f"{where}: 'question' must be a string, got a JSON {_json_kind(question)}")
+            if not question.strip():
+                raise ValueError(f"{where}: 'question' is empty")
+            if answer is None or isinstance(answer, (dict, list)):  # str() would make "None" or "[...]" the answer
+                raise ValueError(f"{where}: 'answer' must be a string or a number, got a JSON {_json_kind(answer)}")
             tests = row.get("tests", [])
             if not (isinstance(tests, list) and all(isinstance(t, str) for t in tests)):
-                raise ValueError(f"dataset {path}:{line_no}: 'tests' must be a list of Python snippets (strings)")
-            problems.append({**row, "id": str(row.get("id", f"{path.stem}-{line_no}")), "question": row["question"],
-                             "answer": str(row["answer"])})
+                raise ValueError(f"{where}: 'tests' must be a list of Python snippets (strings)")
+            problems.append({**row, "id": str(row.get("id", f"{path.stem}-{line_no}")), "question": question,
+                             "answer": str(answer)})
     return problems
+
+
+def _json_kind(value) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
 
 
 # Function-writing tasks: (name, parameters, what it returns, reference expression, test arguments).
