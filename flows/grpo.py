@@ -166,7 +166,7 @@ def _grpo(config: GRPOConfig, logger) -> dict:
     run = StageRunner()
     process = psutil.Process()
     with Tracker(data_dir(), f"mintflow-{config.recipe}", config.run_key(), f"{config.recipe}-{config.run_key()}",
-                 _flat_params(config), flow_run.get_id()) as tracker:
+                 _flat_params(config), flow_run.get_id(), logger) as tracker:
         lora = dict(base_model=config.base_model, rank=config.rank, train_unembed=config.train_unembed)
         evaluate_args = dict(dataset=config.eval_dataset or config.dataset, eval_size=config.eval_size,
                              max_tokens=config.max_tokens, reward=config.reward, reward_options=config.reward_options,
@@ -222,7 +222,7 @@ def _grpo(config: GRPOConfig, logger) -> dict:
                     else:  # a replay into a new MLflow run does not remake what retention deleted
                         logger.warning("iteration %d: checkpoint %s was deleted (keep_checkpoints=%d); "
                                        "not logged to MLflow", iteration, policy.path, config.keep_checkpoints)
-                retention.add(policy, record.get("eval_accuracy"))
+                retention.add(policy, record.get("eval_accuracy"), in_use=tracker.uploading())
                 record["iteration_seconds"] = time.perf_counter() - started  # all of it: tasks, Prefect, MLflow
                 history.append(record)
                 accuracy = f"{record['eval_accuracy']:.2f}" if "eval_accuracy" in record else None
@@ -286,8 +286,9 @@ class Retention:
         self.policies: list[tuple[Artifact, float | None]] = []
         self.deleted: set[str] = set()
 
-    def add(self, policy: Artifact, eval_accuracy: float | None) -> list[Artifact]:
-        """Record the newest policy; delete the checkpoints no longer kept, and return them."""
+    def add(self, policy: Artifact, eval_accuracy: float | None, in_use: set[str] = frozenset()) -> list[Artifact]:
+        """Record the newest policy; delete the checkpoints no longer kept (but not those ``in_use``),
+        and return them."""
         self.policies.append((policy, eval_accuracy))
         if not self.keep_last:
             return []
@@ -295,7 +296,7 @@ class Retention:
         evaluated = [(accuracy, i) for i, (_, accuracy) in enumerate(self.policies) if accuracy is not None]
         if evaluated:
             keep.add(self.policies[max(evaluated)[1]][0].path)  # the best; the latest of equals
-        old = [p for p, _ in self.policies if p.path not in keep and p.path not in self.deleted]
+        old = [p for p, _ in self.policies if p.path not in keep | in_use and p.path not in self.deleted]
         for artifact in old:
             remove_checkpoint(artifact)
             self.deleted.add(artifact.path)

@@ -52,7 +52,7 @@ def _home_env(home: Path) -> dict[str, str]:
             "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _wait_healthy(url: str, process: subprocess.Popen, name: str, log: Path, timeout: float = 120.0) -> None:
+def wait_healthy(url: str, process: subprocess.Popen, name: str, log: Path, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -72,6 +72,17 @@ def _spawn(name: str, command: list[str], env: dict[str, str], logs: Path) -> su
     # Its own process group: Ctrl-C in the terminal reaches us, and we stop each server in order.
     return subprocess.Popen(command, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
+
+
+def spawn_mlflow_server(home: Path, port: int) -> subprocess.Popen:
+    """An MLflow tracking server on 127.0.0.1:``port`` with its SQLite store and artifacts under ``home/mlflow``."""
+    (home / "mlflow" / "artifacts").mkdir(parents=True, exist_ok=True)
+    (home / "logs").mkdir(parents=True, exist_ok=True)
+    store = f"sqlite:///{home / 'mlflow' / 'mlflow.db'}"
+    return _spawn("mlflow-server", [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+                                    "--workers", "1", "--backend-store-uri", store,
+                                    "--artifacts-destination", str(home / "mlflow" / "artifacts")],
+                  _home_env(home), home / "logs")
 
 
 def _prefect(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -102,14 +113,10 @@ def start(home: Path, prefect_port: int = 4200, mlflow_port: int = 5000, pool: s
         prefect = _spawn("prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
                                             "--port", str(prefect_port)], ui_env, logs)
         servers.processes.append(prefect)
-        mlflow = _spawn("mlflow-server", [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port",
-                                          str(mlflow_port), "--workers", "1",
-                                          "--backend-store-uri", f"sqlite:///{home / 'mlflow' / 'mlflow.db'}",
-                                          "--artifacts-destination", str(home / "mlflow" / "artifacts")],
-                        _home_env(home), logs)
+        mlflow = spawn_mlflow_server(home, mlflow_port)
         servers.processes.append(mlflow)
-        _wait_healthy(f"{servers.prefect_url}/health", prefect, "Prefect server", logs / "prefect-server.log")
-        _wait_healthy(f"{servers.mlflow_url}/health", mlflow, "MLflow server", logs / "mlflow-server.log")
+        wait_healthy(f"{servers.prefect_url}/health", prefect, "Prefect server", logs / "prefect-server.log")
+        wait_healthy(f"{servers.mlflow_url}/health", mlflow, "MLflow server", logs / "mlflow-server.log")
         ensure_work_pool(pool, servers.env())
         worker = _spawn("prefect-worker", [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type",
                                            "process", "--limit", "1"], servers.env(), logs)

@@ -4,17 +4,28 @@ One MLflow run per config (tagged with its run key): a rerun of the same config,
 after a crash or not, continues that run, and a step already logged is never
 logged twice. Metrics use ``step=iteration``; checkpoints are logged as artifacts;
 the final adapter is registered as a model version with an alias.
+
+A tracking server that goes down mid-run does not stop training: what the run logs
+meanwhile is kept in order and delivered when the server answers again. At the end
+the run waits for it at most ``$MINTFLOW_MLFLOW_WAIT_S`` seconds (default 600), then
+fails naming the server; a rerun of the same config delivers the missing steps (its
+stages all come from the cache). A server that is down when the run starts fails it
+at once, before any work.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import mlflow
+import requests
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
@@ -36,11 +47,43 @@ def _experiment_id(client: MlflowClient, name: str, data_dir: Path) -> str:
     return client.create_experiment(name, artifact_location=artifacts)
 
 
+class TrackingUnavailable(RuntimeError):
+    """The MLflow tracking server does not answer."""
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether an MLflow call failed because the server is down or failing (not because the call was wrong)."""
+    if isinstance(exc, (requests.exceptions.RequestException, ConnectionError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, mlflow.exceptions.MlflowException) and (
+        "failed with exception" in text or "failed with error code 5" in text)
+
+
 class Tracker:
     def __init__(self, data_dir: Path, experiment: str, run_key: str, run_name: str, params: dict,
-                 flow_run_id: str | None):
+                 flow_run_id: str | None, logger: logging.Logger | None = None):
+        # An unreachable server fails each call in seconds (MLflow's default retries take minutes);
+        # the calls are then kept and retried here.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
         self.uri = tracking_uri(data_dir)
         self.client = MlflowClient(self.uri)
+        self.logger = logger or logging.getLogger(__name__)
+        self.wait_s = float(os.environ.get("MINTFLOW_MLFLOW_WAIT_S", "600"))
+        self._pending: list[Callable[[], object]] = []
+        self._pending_uploads: dict[Callable, str] = {}  # kept log_artifacts calls -> the folder they upload
+        self._down_since: float | None = None
+        try:
+            self._open(data_dir, experiment, run_key, run_name, params, flow_run_id)
+        except Exception as exc:
+            if _unreachable(exc):
+                raise TrackingUnavailable(f"the MLflow tracking server {self.uri} does not answer ({exc}); start it, "
+                                          "or unset MLFLOW_TRACKING_URI to track in the local store") from None
+            raise
+
+    def _open(self, data_dir: Path, experiment: str, run_key: str, run_name: str, params: dict,
+              flow_run_id: str | None) -> None:
         experiment_id = _experiment_id(self.client, experiment, data_dir)
         runs = self.client.search_runs([experiment_id], f"tags.`mintflow.run_key` = '{run_key}'", max_results=1)
         if runs:
@@ -55,6 +98,53 @@ class Tracker:
         self._logged = {m.step for m in self.client.get_metric_history(self.run_id, "iteration_done")}
         self._artifacts = {f.path for f in self.client.list_artifacts(self.run_id, "checkpoints")}
 
+    def _deliver(self, call: Callable[[], object]) -> None:
+        """Make an MLflow call now, or, while the server is down, keep it (in order) for later."""
+        self._pending.append(call)
+        self.flush(wait_s=0)
+
+    def flush(self, wait_s: float) -> None:
+        """Deliver the kept calls, retrying with backoff for up to ``wait_s`` seconds."""
+        deadline = time.monotonic() + wait_s
+        delay = 1.0
+        while self._pending:
+            try:
+                self._pending[0]()
+            except Exception as exc:
+                if not _unreachable(exc):
+                    raise
+                if self._down_since is None:
+                    self._down_since = time.monotonic()
+                    self.logger.warning("MLflow server %s does not answer (%s); training goes on and what it logs "
+                                        "is kept until the server is back", self.uri, str(exc)[:200])
+                if time.monotonic() >= deadline:
+                    if wait_s:
+                        raise TrackingUnavailable(
+                            f"the MLflow tracking server {self.uri} did not come back within {wait_s:.0f} s; "
+                            f"{len(self._pending)} calls are not delivered. Nothing is lost: start the server and "
+                            "rerun the same config (its stages come from the cache and the missing steps are "
+                            "logged)") from None
+                    return
+                time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
+                delay = min(2 * delay, 30.0)
+                continue
+            self._pending_uploads.pop(self._pending.pop(0), None)
+        if self._down_since is not None:
+            self.logger.warning("MLflow server %s is back after %.0f s; the kept calls are delivered", self.uri,
+                                time.monotonic() - self._down_since)
+            self._down_since = None
+
+    def uploading(self) -> set[str]:
+        """Folders whose upload waits for the server: they must stay on disk until it is back."""
+        return set(self._pending_uploads.values())
+
+    def _until_delivered(self, call: Callable[[], object]):
+        """Deliver everything kept, then make this call, waiting for the server if it is down."""
+        result = []
+        self._pending.append(lambda: result.append(call()))
+        self.flush(self.wait_s)
+        return result[0]
+
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         """Log one iteration's metrics once; ``iteration_done`` is written last and marks the step complete."""
         if step in self._logged:
@@ -62,7 +152,7 @@ class Tracker:
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items()] + [Metric("iteration_done", 1, now, step)]
         for start in range(0, len(batch), 900):
-            self.client.log_batch(self.run_id, metrics=batch[start:start + 900])
+            self._deliver(partial(self.client.log_batch, self.run_id, metrics=batch[start:start + 900]))
         self._logged.add(step)
 
     def checkpoint_logged(self, step: int) -> bool:
@@ -71,7 +161,9 @@ class Tracker:
     def log_checkpoint(self, step: int, path: str) -> None:
         name = f"checkpoints/iter-{step:05d}"
         if name not in self._artifacts:
-            self.client.log_artifacts(self.run_id, path, name)
+            upload = partial(self.client.log_artifacts, self.run_id, path, name)
+            self._pending_uploads[upload] = path
+            self._deliver(upload)
             self._artifacts.add(name)
 
     def log_curves(self, history: list[dict]) -> None:
@@ -90,11 +182,14 @@ class Tracker:
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
         ax.legend()
-        self.client.log_figure(self.run_id, fig, "reward_curve.png")
+        self._until_delivered(partial(self.client.log_figure, self.run_id, fig, "reward_curve.png"))
         plt.close(fig)
 
     def register_adapter(self, model_name: str, path: str) -> str:
         """Log the final adapter and register it as a model version with the alias ``champion``."""
+        return self._until_delivered(partial(self._register_adapter, model_name, path))
+
+    def _register_adapter(self, model_name: str, path: str) -> str:
         self.client.log_artifacts(self.run_id, path, "final_adapter")
         source = f"{self.client.get_run(self.run_id).info.artifact_uri}/final_adapter"
         try:
@@ -111,14 +206,21 @@ class Tracker:
         return str(version.version)
 
     def finish(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status=status)
+        self._until_delivered(partial(self.client.set_terminated, self.run_id, status=status))
 
     def __enter__(self) -> Tracker:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         # FAILED on any error (a rerun of the same config sets it RUNNING again and continues).
-        self.finish("FINISHED" if exc_type is None else "FAILED")
+        if exc_type is None:
+            self.finish("FINISHED")
+            return
+        try:
+            self.wait_s = min(self.wait_s, 10.0)  # the run failed already: do not hold its error for long
+            self.finish("FAILED")
+        except TrackingUnavailable as unavailable:
+            self.logger.warning("%s", unavailable)
 
 
 class SweepTracker:

@@ -10,11 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 from mlflow.tracking import MlflowClient
 
 import rewards
 from flows.config import GRPOConfig, build_config
 from flows.tracking import download_registered_adapter, tracking_uri
+from mint.checkpoints import read_manifest
 from tasks.common import data_dir
 
 pytestmark = pytest.mark.model
@@ -195,12 +197,12 @@ def test_bad_config_values_are_refused_before_any_work_naming_the_field(override
     assert not (tmp_path / "checkpoints").exists()
 
 
-def _cli(home: Path, *extra, fault: str | None = None) -> subprocess.Popen:
+def _cli(home: Path, *extra, fault: str | None = None, env: dict | None = None) -> subprocess.Popen:
     args = [sys.executable, "-m", "flows.cli", "run", "math", "--json"]
     for item in TINY + ["seed=21", *extra]:
         args += ["--set", item]
     env = {**os.environ, "MINTFLOW_HOME": str(home), "PREFECT_HOME": str(home / "prefect"),
-           "PREFECT_LOCAL_STORAGE_PATH": str(home / "prefect" / "storage")}
+           "PREFECT_LOCAL_STORAGE_PATH": str(home / "prefect" / "storage"), **(env or {})}
     env.pop("PREFECT_API_URL", None)
     env.pop("MINTFLOW_FAULT", None)
     if fault:
@@ -304,6 +306,90 @@ def test_runs_at_once_sharing_one_home_wait_or_reuse_and_never_cross_talk(refere
 
     for folder in _policies(home):
         read_manifest(folder)
+
+
+def _wait_for(condition, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.3)
+
+
+class MlflowServer:
+    """A real MLflow tracking server on 127.0.0.1 that a test can kill -9 and start again on the same store."""
+
+    def __init__(self, home: Path) -> None:
+        self.home, self.port = home, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        from flows.serve import spawn_mlflow_server, wait_healthy
+
+        self.process = spawn_mlflow_server(self.home, self.port)
+        wait_healthy(f"{self.url}/health", self.process, "MLflow server", self.home / "logs" / "mlflow-server.log")
+
+    def kill(self) -> None:
+        _kill_group(self.process)
+        self.process.wait()
+
+    def logged_steps(self) -> list[int]:
+        client = MlflowClient(self.url)
+        experiment = client.get_experiment_by_name("mintflow-math")
+        runs = client.search_runs([experiment.experiment_id]) if experiment else []
+        return sorted(m.step for r in runs for m in client.get_metric_history(r.info.run_id, "iteration_done"))
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    server = MlflowServer(tmp_path / "mlflow-server")
+    server.start()
+    yield server
+    server.kill()
+
+
+def _assert_tracked_once(summary: dict, iterations: int) -> None:
+    client = MlflowClient(summary["mlflow_tracking_uri"])
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "iteration_done")) == list(
+        range(iterations + 1))
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")] == [
+        f"checkpoints/iter-{i:05d}" for i in range(1, iterations + 1)]
+    assert client.get_model_version_by_alias("mintflow-math", "champion").run_id == run.info.run_id
+
+
+def test_an_mlflow_server_down_mid_run_does_not_stop_training_and_gets_everything_when_back(mlflow_server, tmp_path):
+    home = tmp_path / "run"
+    run = _cli(home, "iterations=4", "eval_every=1", env={"MLFLOW_TRACKING_URI": mlflow_server.url})
+    _wait_for(lambda: 1 in mlflow_server.logged_steps(), "iteration 1 in MLflow")
+    mlflow_server.kill()
+    trained = len(_policies(home))
+    _wait_for(lambda: "does not answer" in (home / "stderr.log").read_text() and len(_policies(home)) > trained,
+              "a train step while MLflow is down")
+    mlflow_server.start()
+    summary = _summary(run, home)
+    _assert_tracked_once(summary, 4)
+    assert "is back after" in (home / "stderr.log").read_text()
+
+
+def test_an_mlflow_server_down_for_good_fails_the_run_in_bounded_time_and_a_rerun_delivers_the_rest(
+        mlflow_server, tmp_path):
+    home = tmp_path / "run"
+    env = {"MLFLOW_TRACKING_URI": mlflow_server.url, "MINTFLOW_MLFLOW_WAIT_S": "5"}
+    run = _cli(home, "iterations=3", "eval_every=1", env=env)
+    _wait_for(lambda: 1 in mlflow_server.logged_steps(), "iteration 1 in MLflow")
+    mlflow_server.kill()
+    run.communicate(timeout=600)
+    assert run.returncode != 0
+    assert "did not come back within 5 s" in (home / "stderr.log").read_text()
+    for folder in _policies(home):  # the run stopped cleanly: every checkpoint is complete
+        read_manifest(folder)
+
+    mlflow_server.start()
+    rerun = _summary(_cli(home, "iterations=3", "eval_every=1", env=env), home)
+    assert rerun["tasks_ran"] == 0  # everything came from the cache; only the tracking was delivered
+    _assert_tracked_once(rerun, 3)
 
 
 def test_eval_command_scores_a_checkpoint(service, tmp_path):
