@@ -103,8 +103,26 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+MIN_FREE_MB = 64  # below this, Prefect cannot even create its database and fails with a timeout
+
+
+def _check_free_space(*folders: str | Path) -> None:
+    """Refuse to start on a disk that is (nearly) full, naming it, rather than fail obscurely later."""
+    import shutil
+
+    for folder in folders:
+        existing = Path(folder).absolute()
+        while not existing.exists():
+            existing = existing.parent
+        free = shutil.disk_usage(existing).free / 2**20
+        if free < MIN_FREE_MB:
+            raise SystemExit(f"mintflow: the disk of {folder} is full ({free:.1f} MiB free, at least {MIN_FREE_MB} "
+                             "MiB needed for checkpoints and the Prefect and MLflow stores); free some space")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     config = _config(args.recipe, args.set)  # validated before any work starts
+    _check_free_space(_home(args), os.environ.get("PREFECT_HOME") or Path.home() / ".prefect")
     _use_servers(_home(args))
     from flows.grpo import grpo
 

@@ -29,6 +29,8 @@ import requests
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
+from mint.checkpoints import failpoint
+
 REGISTERED_ALIAS = "champion"  # "latest" is reserved by MLflow
 
 
@@ -96,7 +98,9 @@ class Tracker:
         if flow_run_id:
             self.client.set_tag(self.run_id, "prefect.flow_run_id", flow_run_id)
         self._logged = {m.step for m in self.client.get_metric_history(self.run_id, "iteration_done")}
-        self._artifacts = {f.path for f in self.client.list_artifacts(self.run_id, "checkpoints")}
+        # A checkpoint counts as logged once its upload finished (then ``checkpoint_logged`` is written):
+        # one cut off mid-upload is uploaded again, whole.
+        self._checkpoints = {m.step for m in self.client.get_metric_history(self.run_id, "checkpoint_logged")}
 
     def _deliver(self, call: Callable[[], object]) -> None:
         """Make an MLflow call now, or, while the server is down, keep it (in order) for later."""
@@ -156,15 +160,19 @@ class Tracker:
         self._logged.add(step)
 
     def checkpoint_logged(self, step: int) -> bool:
-        return f"checkpoints/iter-{step:05d}" in self._artifacts
+        return step in self._checkpoints
 
     def log_checkpoint(self, step: int, path: str) -> None:
-        name = f"checkpoints/iter-{step:05d}"
-        if name not in self._artifacts:
-            upload = partial(self.client.log_artifacts, self.run_id, path, name)
+        if step not in self._checkpoints:
+            upload = partial(self._upload_checkpoint, step, path)
             self._pending_uploads[upload] = path
             self._deliver(upload)
-            self._artifacts.add(name)
+            self._checkpoints.add(step)
+
+    def _upload_checkpoint(self, step: int, path: str) -> None:
+        self.client.log_artifacts(self.run_id, path, f"checkpoints/iter-{step:05d}")
+        failpoint("tracking:checkpoint_uploaded")  # uploaded, not yet marked
+        self.client.log_metric(self.run_id, "checkpoint_logged", 1, step=step)
 
     def log_curves(self, history: list[dict]) -> None:
         import matplotlib

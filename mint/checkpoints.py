@@ -9,6 +9,7 @@ The adapter files follow peft's layout, so ``PeftModel.from_pretrained`` reads t
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -25,6 +26,39 @@ FORMAT = "mintflow-checkpoint/1"
 
 class CheckpointError(ValueError):
     """A checkpoint path that is missing, incomplete or corrupted."""
+
+
+class DiskFullError(OSError):
+    """A checkpoint (or artifact) that did not fit on its disk; nothing of it was left behind."""
+
+
+def disk_full(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an exception it chains) is "no space left on device" or "disk quota exceeded".
+
+    Libraries that write files in native code report it in their own types (safetensors: a
+    ``SafetensorError`` whose message carries "os error 28"), so the message counts too.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(exc)
+        if "No space left on device" in text or "Disk quota exceeded" in text or f"os error {errno.ENOSPC})" in text:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def disk_full_error(what: str, folder: Path) -> DiskFullError:
+    """A DiskFullError naming what could not be written, where, and how much room is left."""
+    try:
+        free = f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    return DiskFullError(errno.ENOSPC, f"{what}: the disk is full (no space left on device in {folder}, {free}); "
+                                       "nothing was written and what was there before is unchanged. Free some "
+                                       "space and run again")
 
 
 def _sha256(path: Path) -> str:
@@ -57,8 +91,13 @@ def failpoint(name: str) -> None:
 def write_checkpoint(path: str | Path, write_files: Callable[[Path], None], meta: dict[str, Any]) -> Path:
     """Write a checkpoint folder at ``path`` atomically; an existing one is replaced whole."""
     path = Path(path).expanduser().absolute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    except OSError as e:
+        if disk_full(e):
+            raise disk_full_error(f"checkpoint {str(path)!r}", path.parent) from e
+        raise
     try:
         write_files(tmp)
         files = {}
@@ -75,13 +114,20 @@ def write_checkpoint(path: str | Path, write_files: Callable[[Path], None], meta
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
             path.rename(old / "ckpt")
-            tmp.rename(path)
+            try:
+                tmp.rename(path)
+            except BaseException:  # put the previous checkpoint back where it was
+                (old / "ckpt").rename(path)
+                old.rmdir()
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(path)
         _fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if disk_full(e):
+            raise disk_full_error(f"checkpoint {str(path)!r}", path.parent) from e
         raise
     return path
 

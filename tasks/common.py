@@ -22,7 +22,14 @@ from filelock import FileLock, Timeout
 from pydantic import BaseModel
 
 import mint
-from mint.checkpoints import CheckpointError, checkpoint_digest, read_manifest
+from mint.checkpoints import (
+    CheckpointError,
+    DiskFullError,
+    checkpoint_digest,
+    disk_full,
+    disk_full_error,
+    read_manifest,
+)
 
 _ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,17 +86,21 @@ def sha256_file(path: str | Path) -> str:
 def write_json(kind: str, key: str, obj: Any) -> Artifact:
     """Write ``obj`` to ``data/<kind>/<key>.json`` atomically (temp file, fsync, rename)."""
     folder = data_dir() / kind
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{key}.json"
-    fd, tmp = tempfile.mkstemp(prefix=f".{key}.", dir=folder)
+    tmp = None
     try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{key}.", dir=folder)
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp:
+            Path(tmp).unlink(missing_ok=True)
+        if disk_full(e):
+            raise disk_full_error(f"artifact {str(path)!r}", folder) from e
         raise
     return Artifact(path=str(path), digest=sha256_file(path))
 
@@ -272,11 +283,12 @@ def retry_on_transient(task, task_run, state) -> bool:
 
 
 def retry_unless_bad_input(task, task_run, state) -> bool:
-    """Prefect ``retry_condition_fn``: retry anything but a missing or corrupted input (the flow remakes it)."""
+    """Prefect ``retry_condition_fn``: retry anything but a missing or corrupted input (the flow remakes
+    it) or a full disk (a retry cannot help)."""
     try:
         state.result()
     except Exception as exc:
-        return not isinstance(exc, (ArtifactError, CheckpointError, FileNotFoundError))
+        return not isinstance(exc, (ArtifactError, CheckpointError, FileNotFoundError, DiskFullError))
     return False
 
 

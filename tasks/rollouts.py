@@ -8,6 +8,7 @@ import time
 from prefect import task
 
 from mint import grpo, types
+from mint.checkpoints import failpoint
 from rewards import datasets, get_reward, is_group_reward, score_group
 from tasks.common import (
     REWARD_RETRIES,
@@ -55,6 +56,7 @@ def sample(policy: Artifact, dataset: str, groups_per_batch: int, group_size: in
         groups.append({"problem": problem, "prompt_tokens": prompt, "samples": samples})
     seconds = time.perf_counter() - start
     tokens = sum(len(s["tokens"]) for g in groups for s in g["samples"])
+    failpoint("sample:sampled")  # every group sampled, nothing written
     return write_json("rollouts", key, {"groups": groups}), {"sample_seconds": seconds, "sampled_tokens": tokens,
                                                                "sample_tokens_per_s": tokens / max(seconds, 1e-9)}
 
@@ -70,9 +72,12 @@ def score(rollouts: Artifact, reward: str, reward_options: dict, shard: int = 0,
     """
     reward_fn = get_reward(reward)
     groups = read_json(rollouts)["groups"]
-    return [_rewards(reward_fn, reward, [s["text"] for s in groups[g]["samples"]], groups[g]["problem"],
-                     reward_options, f"group {g}")
-            for g in range(shard, len(groups), shards)]
+    rewards = []
+    for g in range(shard, len(groups), shards):
+        rewards.append(_rewards(reward_fn, reward, [s["text"] for s in groups[g]["samples"]], groups[g]["problem"],
+                                reward_options, f"group {g}"))
+        failpoint("score:scoring")  # after the first group is scored
+    return rewards
 
 
 @task(name="keep_mixed_groups", cache_key_fn=task_cache_key, persist_result=True, **TRANSIENT_RETRIES)
@@ -140,6 +145,7 @@ def compute_advantages(rollouts: Artifact, rewards: list[list[float]], base_mode
         datums, metrics["kl_to_base"] = grpo.incorporate_kl_penalty(datums, reference_lp, kl_penalty_coef)
     datums = grpo.normalize_advantages(datums, loss_normalization)
     metrics["num_datums"] = len(datums)
+    failpoint("compute_advantages:computed")
     return write_json("datums", key, {"datums": [d.model_dump() for d in datums]}), metrics
 
 
@@ -186,6 +192,7 @@ def evaluate(policy: Artifact, dataset: str, eval_size: int, max_tokens: int, re
             _rewards(reward_fn, reward, [t], p, unshaped, f"eval problem {i}")[0] for t in texts]
         scores += problem_scores
         correct.append([score >= 1.0 for score in plain])
+        failpoint("evaluate:scoring")  # after the first problem is scored
     metrics = {"eval_accuracy": statistics.fmean(c for row in correct for c in row),
                "eval_reward_mean": statistics.fmean(scores), "eval_seconds": time.perf_counter() - start}
     if samples > 1:

@@ -60,6 +60,7 @@ def sft_warm_start(policy: Artifact, base_model: str, rank: int, train_unembed: 
                 "target_tokens": tokens[1:], "weights": [0.0] * (len(prompt) - 1) + [1.0] * len(answer)}))
         out = client.forward_backward(data, "cross_entropy").result()
         client.optim_step(adam).result()
+        failpoint("sft_warm_start:stepped")  # the warm client changed, nothing saved
         losses.append(out.metrics["loss:sum"] / sum(sum(d.loss_fn_inputs["weights"].data) for d in data))
     return save_from(client, key), {"sft_loss_first": losses[0] if losses else 0.0,
                                        "sft_loss_last": losses[-1] if losses else 0.0,
@@ -79,6 +80,7 @@ def train(policy: Artifact, batch: Artifact, base_model: str, rank: int, train_u
     if datums:
         out = client.forward_backward(datums, loss_fn, loss_fn_config or None).result()
         step = client.optim_step(types.AdamParams(learning_rate=learning_rate, grad_clip_norm=grad_clip_norm)).result()
+        failpoint("train:stepped")  # the warm client changed, nothing saved
         mask = torch.cat([d.loss_fn_inputs["weights"].to_torch() for d in datums]) > 0
         learner = torch.cat([o["logprobs"].to_torch() for o in out.loss_fn_outputs])[mask]
         sampler = torch.cat([d.loss_fn_inputs["logprobs"].to_torch() for d in datums])[mask]
