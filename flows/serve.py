@@ -8,6 +8,11 @@ and the artifact store), and the pipeline's own files (checkpoints, rollouts). T
 polls the ``mintflow`` process work pool, created if missing with a concurrency limit of 1:
 one training run at a time on this machine. ``servers.json`` in the home tells other
 commands (``mintflow deploy``, ``mintflow sweep``) where the servers are. Ctrl-C stops all three.
+
+``serve`` supervises them: one that dies (a crash, an OOM kill) is started again on the same port
+with the same database, and ``servers.json`` gets its new pid; each restart is a line in
+``logs/serve.log``. One that dies more than ``RESTARTS`` times in ``RESTART_WINDOW_S`` seconds stops
+everything, naming it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from pathlib import Path
 WORK_POOL = "mintflow"
 SERVERS_FILE = "servers.json"
 BIN = Path(sys.executable).parent
+NAMES = ("prefect-server", "mlflow-server", "prefect-worker")  # the order of Servers.processes
+RESTARTS = 5  # a process that dies more often than this ...
+RESTART_WINDOW_S = 600.0  # ... within this many seconds stops everything
 
 
 @dataclass
@@ -34,7 +42,9 @@ class Servers:
     prefect_url: str
     mlflow_url: str
     pool: str = WORK_POOL
-    processes: list[subprocess.Popen] = field(default_factory=list)
+    prefect_port: int = 4200
+    mlflow_port: int = 5000
+    processes: list[subprocess.Popen] = field(default_factory=list)  # in the order of NAMES
 
     def env(self) -> dict[str, str]:
         """What a process needs to use these servers (the worker passes it on to every flow run)."""
@@ -100,37 +110,58 @@ def ensure_work_pool(pool: str, env: dict[str, str]) -> None:
         raise RuntimeError(f"could not limit work pool {pool!r}: {limited.stdout}{limited.stderr}")
 
 
+def _launch(servers: Servers, name: str) -> subprocess.Popen:
+    """Start one of the three processes (again after a crash: the same port, database and log)."""
+    logs = servers.home / "logs"
+    if name == "prefect-server":
+        # The UI's pages call the API at this URL (its default is port 4200 whatever --port says).
+        ui_env = {**_home_env(servers.home), "PREFECT_SERVER_UI_API_URL": servers.prefect_url}
+        return _spawn(name, [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
+                             "--port", str(servers.prefect_port)], ui_env, logs)
+    if name == "mlflow-server":
+        return spawn_mlflow_server(servers.home, servers.mlflow_port)
+    return _spawn(name, [str(BIN / "prefect"), "worker", "start", "--pool", servers.pool, "--type", "process",
+                         "--limit", "1"], servers.env(), logs)
+
+
+def _wait_ready(servers: Servers, name: str, process: subprocess.Popen) -> None:
+    log = servers.home / "logs" / f"{name}.log"
+    if name == "prefect-server":
+        wait_healthy(f"{servers.prefect_url}/health", process, "Prefect server", log)
+    elif name == "mlflow-server":
+        wait_healthy(f"{servers.mlflow_url}/health", process, "MLflow server", log)
+    else:
+        time.sleep(1.0)
+        if process.poll() is not None:
+            raise RuntimeError(f"Prefect worker exited with code {process.returncode}; see {log}")
+
+
+def _write_servers_file(servers: Servers) -> None:
+    """``servers.json``, replaced whole: a reader never sees half of it."""
+    partial = servers.home / f"{SERVERS_FILE}.partial"
+    partial.write_text(json.dumps({"prefect_url": servers.prefect_url, "mlflow_url": servers.mlflow_url,
+                                   "pool": servers.pool, "pids": [p.pid for p in servers.processes]}, indent=2))
+    partial.replace(servers.home / SERVERS_FILE)
+
+
 def start(home: Path, prefect_port: int = 4200, mlflow_port: int = 5000, pool: str = WORK_POOL) -> Servers:
     """Start the three processes and return once each answers; on failure, stop what started."""
     home = home.absolute()
-    logs = home / "logs"
-    for folder in (logs, home / "prefect", home / "mlflow" / "artifacts"):
+    for folder in (home / "logs", home / "prefect", home / "mlflow" / "artifacts"):
         folder.mkdir(parents=True, exist_ok=True)
-    servers = Servers(home, f"http://127.0.0.1:{prefect_port}/api", f"http://127.0.0.1:{mlflow_port}", pool)
+    servers = Servers(home, f"http://127.0.0.1:{prefect_port}/api", f"http://127.0.0.1:{mlflow_port}", pool,
+                      prefect_port, mlflow_port)
     try:
-        # The UI's pages call the API at this URL (its default is port 4200 whatever --port says).
-        ui_env = {**_home_env(home), "PREFECT_SERVER_UI_API_URL": servers.prefect_url}
-        prefect = _spawn("prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
-                                            "--port", str(prefect_port)], ui_env, logs)
-        servers.processes.append(prefect)
-        mlflow = spawn_mlflow_server(home, mlflow_port)
-        servers.processes.append(mlflow)
-        wait_healthy(f"{servers.prefect_url}/health", prefect, "Prefect server", logs / "prefect-server.log")
-        wait_healthy(f"{servers.mlflow_url}/health", mlflow, "MLflow server", logs / "mlflow-server.log")
+        servers.processes += [_launch(servers, "prefect-server"), _launch(servers, "mlflow-server")]
+        for name, process in zip(NAMES, servers.processes):
+            _wait_ready(servers, name, process)
         ensure_work_pool(pool, servers.env())
-        worker = _spawn("prefect-worker", [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type",
-                                           "process", "--limit", "1"], servers.env(), logs)
-        servers.processes.append(worker)
-        time.sleep(1.0)
-        if worker.poll() is not None:
-            raise RuntimeError(f"Prefect worker exited with code {worker.returncode}; "
-                               f"see {logs / 'prefect-worker.log'}")
+        servers.processes.append(_launch(servers, "prefect-worker"))
+        _wait_ready(servers, "prefect-worker", servers.processes[-1])
     except BaseException:
         stop(servers)
         raise
-    (home / SERVERS_FILE).write_text(json.dumps(
-        {"prefect_url": servers.prefect_url, "mlflow_url": servers.mlflow_url, "pool": pool,
-         "pids": [p.pid for p in servers.processes]}, indent=2))
+    _write_servers_file(servers)
     return servers
 
 
@@ -165,10 +196,45 @@ def running(home: Path) -> dict | None:
     return info
 
 
+def _say(servers: Servers, message: str) -> None:
+    """A line on stderr and in ``logs/serve.log``."""
+    line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} mintflow serve: {message}"
+    print(line, file=sys.stderr, flush=True)
+    with open(servers.home / "logs" / "serve.log", "a") as log:
+        print(line, file=log)
+
+
+def _restart(servers: Servers, index: int, restarts: list[float]) -> bool:
+    """Start a process that died again and record its pid; False, once it died too often."""
+    name, dead = NAMES[index], servers.processes[index]
+    now = time.monotonic()
+    restarts[:] = [t for t in restarts if now - t < RESTART_WINDOW_S] + [now]
+    if len(restarts) > RESTARTS:
+        _say(servers, f"{name} (pid {dead.pid}) exited with code {dead.returncode}, {len(restarts)} times in "
+                      f"{RESTART_WINDOW_S:.0f} s (at most {RESTARTS} restarts): stopping everything; "
+                      f"see {servers.home / 'logs' / name}.log")
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(dead.pid, signal.SIGKILL)  # what it started (uvicorn) dies with it and frees the port
+    servers.processes[index] = _launch(servers, name)
+    _write_servers_file(servers)
+    _say(servers, f"{name} (pid {dead.pid}) exited with code {dead.returncode}; restarted it as pid "
+                  f"{servers.processes[index].pid} (restart {len(restarts)}, at most {RESTARTS} in "
+                  f"{RESTART_WINDOW_S:.0f} s)")
+    try:
+        _wait_ready(servers, name, servers.processes[index])
+    except RuntimeError as exc:  # the next look finds it dead and restarts it, within the bound
+        _say(servers, str(exc))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(servers.processes[index].pid, signal.SIGKILL)
+    return True
+
+
 def serve(home: Path, prefect_port: int, mlflow_port: int) -> None:
-    """Start, print the URLs, and hold until Ctrl-C or SIGTERM; then stop everything."""
+    """Start, print the URLs, restart a process that dies, and hold until Ctrl-C or SIGTERM; then stop everything."""
     servers = start(home, prefect_port, mlflow_port)
-    stopping = False
+    stopping = gave_up = False
+    restarts: list[list[float]] = [[] for _ in NAMES]  # when each process was last restarted
 
     def request_stop(signum, frame):
         nonlocal stopping
@@ -181,12 +247,12 @@ def serve(home: Path, prefect_port: int, mlflow_port: int) -> None:
           f"next: mintflow deploy --home {servers.home}    (Ctrl-C stops the servers)", flush=True)
     try:
         while not stopping:
-            for process in servers.processes:
-                if process.poll() is not None:
-                    print(f"a server process exited (code {process.returncode}); see {servers.home / 'logs'}",
-                          file=sys.stderr)
-                    stopping = True
+            for index, process in enumerate(servers.processes):
+                if not stopping and process.poll() is not None and not _restart(servers, index, restarts[index]):
+                    stopping = gave_up = True
             time.sleep(0.5)
     finally:
         stop(servers)
         print("stopped", flush=True)
+    if gave_up:
+        raise SystemExit(1)

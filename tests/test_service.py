@@ -218,9 +218,117 @@ def test_the_mlflow_ui_compares_the_sweeps_runs(deployed, browser, screenshots):
     page.close()
 
 
+def _mlflow_steps(client, experiment: str, flow_run_id) -> tuple[object, list[int]]:
+    """The MLflow run of a flow run (None until it exists) and the steps its ``iteration_done`` has, in order."""
+    found = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([found.experiment_id], f"tags.`prefect.flow_run_id` = '{flow_run_id}'") if found else []
+    if not runs:
+        return None, []
+    return runs[0], sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "iteration_done"))
+
+
+def _until(what: str, check, timeout: float = 600):
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
+        time.sleep(1)
+    return result
+
+
+def _flow_run_state(served, flow_run_id):
+    """The flow run's state, or None while the Prefect API does not answer."""
+    import httpx
+    from prefect.client.orchestration import get_client
+
+    try:
+        with _prefect_settings(served), get_client(sync_client=True) as client:
+            return client.read_flow_run(flow_run_id).state
+    except (httpx.HTTPError, OSError):
+        return None
+
+
+def test_a_run_survives_a_kill_9_of_the_prefect_server_and_of_the_mlflow_server(deployed):
+    # Before the supervisor, a Prefect server killed mid-run made `mintflow serve` stop the worker
+    # with the run in it: the run was left Running in the Prefect database, and its MLflow run RUNNING.
+    from mlflow.tracking import MlflowClient
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    home, iterations = deployed["home"], 6
+    before = json.loads((home / "servers.json").read_text())["pids"]
+    with _prefect_settings(deployed):
+        with get_client(sync_client=True) as client:
+            config = {**client.read_deployment_by_name("grpo/math").parameters["config"], **TINY,
+                      "iterations": iterations, "eval_every": 1}
+        # _sync: the browser fixture's event loop would make it return a coroutine
+        flow_run = run_deployment("grpo/math", parameters={"config": config}, timeout=0, _sync=True)
+    mlflow = MlflowClient(deployed["mlflow_url"])
+
+    def steps() -> list[int]:
+        return _mlflow_steps(mlflow, "mintflow-math", flow_run.id)[1]
+
+    def ended():
+        state = _flow_run_state(deployed, flow_run.id)
+        return state if state is not None and state.is_final() else None
+
+    _until("iteration 1 in MLflow", lambda: 1 in steps())
+    os.killpg(before[0], signal.SIGKILL)  # the Prefect server and its uvicorn, as an OOM kill would
+    at_prefect_kill = steps()[-1]
+    assert at_prefect_kill < iterations, "the run ended before the Prefect server was killed: make it longer"
+    _until("the Prefect server restarted", lambda: json.loads((home / "servers.json").read_text())["pids"][0]
+           != before[0] and _flow_run_state(deployed, flow_run.id) is not None, timeout=180)
+    _until("an iteration logged after the Prefect restart", lambda: steps()[-1] > at_prefect_kill)
+    assert (running := _flow_run_state(deployed, flow_run.id)).is_running(), running
+    os.killpg(before[1], signal.SIGKILL)  # the MLflow server, mid-run too
+    state = _until("the flow run to end", ended)
+    assert state.is_completed(), f"{state.name}: {state.message}"
+
+    run, logged = _mlflow_steps(mlflow, "mintflow-math", flow_run.id)
+    assert run.info.status == "FINISHED" and logged == list(range(iterations + 1))  # each step exactly once
+    after = json.loads((home / "servers.json").read_text())["pids"]
+    assert after[0] != before[0] and after[1] != before[1] and after[2] == before[2]  # the worker rode it out
+    log = (home / "logs" / "serve.log").read_text()
+    for name, pid in (("prefect-server", before[0]), ("mlflow-server", before[1])):
+        assert f"{name} (pid {pid}) exited with code -9; restarted it" in log, log
+    with _prefect_settings(deployed), get_client(sync_client=True) as client:
+        runs = [r for r in client.read_flow_runs() if r.parameters.get("config") == config]
+    assert [r.id for r in runs] == [flow_run.id]  # no second run of it was created
+    assert deployed["process"].poll() is None  # `mintflow serve` is still up
+
+
+def test_a_process_that_keeps_dying_stops_everything_with_a_clear_message(tmp_path, monkeypatch):
+    from flows import serve as service
+
+    started = []
+
+    def launch(servers, name):  # the servers stay up; the worker dies at once, every time
+        started.append(subprocess.Popen(["true"] if name == "prefect-worker" else ["sleep", "600"],
+                                        start_new_session=True))
+        return started[-1]
+
+    def start(home, *ports):
+        (home / "logs").mkdir()
+        servers = service.Servers(home, "http://127.0.0.1:1/api", "http://127.0.0.1:2")
+        servers.processes = [launch(servers, name) for name in service.NAMES]
+        return servers
+
+    monkeypatch.setattr(service, "_launch", launch)
+    monkeypatch.setattr(service, "start", start)
+    monkeypatch.setattr(service, "RESTARTS", 2)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # pytest keeps its own Ctrl-C
+    with pytest.raises(SystemExit) as stopped:
+        service.serve(tmp_path, 1, 2)
+    assert stopped.value.code == 1
+    log = (tmp_path / "logs" / "serve.log").read_text()
+    assert log.count("prefect-worker (pid") == 3 and log.count("restarted it as pid") == 2, log
+    assert "exited with code 0, 3 times in 600 s (at most 2 restarts): stopping everything" in log, log
+    assert all(process.poll() is not None for process in started) and not (tmp_path / "servers.json").exists()
+
+
 def test_ctrl_c_stops_every_server_process(served):
     # Runs last in this module (pytest keeps file order): the fixture's finalizer then has nothing to do.
-    process, pids = served["process"], served["pids"]
+    process = served["process"]
+    pids = set(served["pids"]) | set(json.loads((served["home"] / "servers.json").read_text())["pids"])  # restarted
     process.send_signal(signal.SIGINT)
     assert process.wait(90) == 0
     for pid in pids:
