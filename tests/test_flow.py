@@ -194,7 +194,16 @@ def test_bad_config_values_are_refused_before_any_work_naming_the_field(override
     assert not (tmp_path / "checkpoints").exists()
 
 
-def _cli(home: Path, *extra, fault: str | None = None, env_overrides: dict | None = None) -> subprocess.Popen:
+@pytest.fixture(scope="module")
+def prefect_api(harness) -> str:
+    """The module's Prefect server for CLI runs. Without one, each CLI starts its own for ~5 s."""
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()
+
+
+def _cli(home: Path, *extra, fault: str | None = None, env_overrides: dict | None = None,
+         prefect_api: str | None = None) -> subprocess.Popen:
     args = [sys.executable, "-m", "flows.cli", "run", "math", "--json"]
     for item in TINY + ["seed=21", *extra]:
         args += ["--set", item]
@@ -204,6 +213,8 @@ def _cli(home: Path, *extra, fault: str | None = None, env_overrides: dict | Non
                 "PREFECT_LOCAL_STORAGE_PATH": str(home / "prefect" / "storage"), **(env_overrides or {})})
     if fault:
         env["MINTFLOW_FAULT"] = fault
+    if prefect_api:
+        env["PREFECT_API_URL"] = prefect_api
     home.mkdir(parents=True, exist_ok=True)
     log = open(home / "stderr.log", "a")  # noqa: SIM115 - closed with the process
     # Its own session: a kill takes the whole group, the CLI's ephemeral Prefect server included, as a crash would.
@@ -258,19 +269,19 @@ CRASHES = ["checkpoint:before_rename",  # inside init_policy's checkpoint write,
            "tracking:checkpoint_uploaded"]  # the final checkpoint is uploaded, not yet marked as logged
 
 
-def test_a_crash_anywhere_then_a_rerun_gives_the_uninterrupted_result(reference, tmp_path):
+def test_a_crash_anywhere_then_a_rerun_gives_the_uninterrupted_result(reference, prefect_api, tmp_path):
     """One home crashed at each point in turn: every rerun resumes and dies at the next point, the
     last one finishes. Each point is reached in work not yet done, so each is a real crash there."""
     home = tmp_path / "crashed"
     for fault in CRASHES:
-        crashed = _cli(home, fault=fault)
+        crashed = _cli(home, fault=fault, prefect_api=prefect_api)
         crashed.wait(timeout=600)
         _kill_group(crashed)  # before reading: its orphaned server would hold the output pipe open
         crashed.communicate()
         assert crashed.returncode == -signal.SIGKILL, (fault, (home / "stderr.log").read_text()[-3000:])
         for folder in _policies(home):  # no checkpoint in place is ever half written
             read_manifest(folder)
-    _assert_same_result_and_clean_history(_summary(_cli(home), home), reference, home)
+    _assert_same_result_and_clean_history(_summary(_cli(home, prefect_api=prefect_api), home), reference, home)
 
 
 def test_kill_9_mid_run_then_rerun_matches_an_uninterrupted_run(reference, tmp_path):
@@ -291,11 +302,11 @@ def test_kill_9_mid_run_then_rerun_matches_an_uninterrupted_run(reference, tmp_p
     _assert_same_result_and_clean_history(resumed, reference, home)
 
 
-def test_runs_at_once_sharing_one_home_wait_or_reuse_and_never_cross_talk(reference, tmp_path):
+def test_runs_at_once_sharing_one_home_wait_or_reuse_and_never_cross_talk(reference, prefect_api, tmp_path):
     """Two runs of one config and a run of another config, started together on one cache and MLflow store."""
     home = tmp_path / "shared"
-    same = [_cli(home), _cli(home)]
-    other = _cli(home, "learning_rate=0.0002")
+    same = [_cli(home, prefect_api=prefect_api), _cli(home, prefect_api=prefect_api)]
+    other = _cli(home, "learning_rate=0.0002", prefect_api=prefect_api)
     first, second = (_summary(proc, home) for proc in same)
     different = _summary(other, home)
 
