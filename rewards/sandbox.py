@@ -60,7 +60,9 @@ class Execution:
 
 
 class SandboxUnavailable(RuntimeError):
-    """bubblewrap (or prlimit/setpriv) is missing or cannot create namespaces here."""
+    """The sandbox could not run the program: bubblewrap (or prlimit/setpriv) is missing, cannot
+    create namespaces here, or died before its program ended. Not the program's fault: a reward
+    must not read it as a failed program (the scoring task retries it, then reports it)."""
 
 
 def check_available() -> None:
@@ -77,20 +79,26 @@ def check_available() -> None:
 
 def run_program(source: str, stdin: str = "", limits: Limits = DEFAULT_LIMITS,
                 interpreter: str = "/usr/bin/python3") -> Execution:
-    """Run Python ``source`` in a fresh sandbox and return how it ended; never raises for what the program does."""
+    """Run Python ``source`` in a fresh sandbox and return how it ended; never raises for what the
+    program does. Raises SandboxUnavailable when the sandbox itself fails (bubblewrap reports on a
+    status pipe when the program started and how it ended; a run without both did not run)."""
     with tempfile.TemporaryDirectory(prefix="mintflow-sandbox-") as host_dir:
         host = Path(host_dir)
         (host / "stdin").write_text(stdin, encoding="utf-8")
         program = os.memfd_create("program")
+        status_read, status_write = os.pipe()
         try:
             os.write(program, source.encode("utf-8"))
             os.lseek(program, 0, os.SEEK_SET)
-            command = _command(program, limits, interpreter)
+            command = _command(program, limits, interpreter, status_write)
             with open(host / "stdin", "rb") as stdin_file, open(host / "stdout", "wb") as out, \
                     open(host / "stderr", "wb") as err:
                 start = time.monotonic()
-                process = subprocess.Popen(command, stdin=stdin_file, stdout=out, stderr=err, pass_fds=(program,),
-                                           start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/bin")})
+                process = subprocess.Popen(command, stdin=stdin_file, stdout=out, stderr=err,
+                                           pass_fds=(program, status_write), start_new_session=True,
+                                           env={"PATH": os.environ.get("PATH", "/usr/bin")})
+                os.close(status_write)
+                status_write = -1
                 timed_out = False
                 try:
                     process.wait(timeout=limits.wall_seconds)
@@ -98,14 +106,26 @@ def run_program(source: str, stdin: str = "", limits: Limits = DEFAULT_LIMITS,
                     timed_out = True
                     _kill_group(process)
                 seconds = time.monotonic() - start
+            with os.fdopen(status_read, "rb") as status_file:
+                status_read = -1
+                status = status_file.read().decode("utf-8", errors="replace")
         finally:
-            os.close(program)
+            for fd in (program, status_read, status_write):
+                if fd >= 0:
+                    os.close(fd)
         cap = limits.file_size_mb << 20
-        return Execution(returncode=process.returncode, stdout=_read(host / "stdout", cap),
-                         stderr=_read(host / "stderr", cap), timed_out=timed_out, seconds=seconds)
+        execution = Execution(returncode=process.returncode, stdout=_read(host / "stdout", cap),
+                              stderr=_read(host / "stderr", cap), timed_out=timed_out, seconds=seconds)
+    if not timed_out and '"child-pid"' not in status:
+        raise SandboxUnavailable(f"code sandbox: the sandbox did not start (exit {execution.returncode}): "
+                                 f"{execution.stderr.strip()[-500:]}")
+    if not timed_out and '"exit-code"' not in status:
+        raise SandboxUnavailable(f"code sandbox: the sandbox died (exit {execution.returncode}) before its "
+                                 "program ended")
+    return execution
 
 
-def _command(program_fd: int, limits: Limits, interpreter: str) -> list[str]:
+def _command(program_fd: int, limits: Limits, interpreter: str, status_fd: int) -> list[str]:
     mb = 1 << 20
     command = ["prlimit", f"--cpu={limits.cpu_seconds}", f"--as={limits.memory_mb * mb}",
                f"--fsize={limits.file_size_mb * mb}", f"--nofile={limits.open_files}", "--core=0"]
@@ -121,7 +141,7 @@ def _command(program_fd: int, limits: Limits, interpreter: str) -> list[str]:
     # PATH); now every process it can name is its own. --disable-userns: in a user namespace of its own
     # the program could mount a tmpfs of any size and fill host memory past every limit below.
     command += ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--as-pid-1", "--die-with-parent",
-                "--new-session", "--cap-drop", "ALL",
+                "--new-session", "--cap-drop", "ALL", "--json-status-fd", str(status_fd),
                 "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/sandbox",
                 "--setenv", "LANG", "C.UTF-8", "--hostname", "sandbox",
                 "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib"]

@@ -2,17 +2,20 @@
 host is untouched (no file written or read outside, no connection made, no process left behind)."""
 
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
 from rewards import datasets
 from rewards.code import code_reward, extract_code, run_tests
-from rewards.sandbox import Limits, check_available, run_program
+from rewards.sandbox import Limits, SandboxUnavailable, check_available, run_program
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap is not installed (make setup installs Debian's bubblewrap)")
@@ -131,6 +134,7 @@ def test_files_outside_the_sandbox_can_be_neither_written_nor_read(tmp_path):
     escaped = tmp_path / "escaped.txt"
     program = f"""
 import os
+import re
 for path in [{str(secret)!r}, '/etc/shadow', '/root/.bashrc', '/work', '/home']:
     try:
         print(path, open(path).read())
@@ -170,6 +174,7 @@ def test_the_host_environment_is_not_visible(monkeypatch):
     monkeypatch.setenv("PATH", f"{os.environ['PATH']}:/path-secret-token")
     probe = """
 import os
+import re
 print(dict(os.environ))
 for pid in ['self'] + [p for p in os.listdir('/proc') if p.isdigit()]:  # /proc/1/environ among them
     print(pid, open(f'/proc/{pid}/environ').read())
@@ -230,6 +235,7 @@ def test_symlinks_it_plants_lead_nowhere_on_the_host(tmp_path, monkeypatch):
                f"/proc/self/root{tmp_path}", f"../../../../../..{secret}"]
     program = f"""
 import os
+import re
 links = [f'{{folder}}/link{{n}}' for folder in ('/sandbox', '/tmp') for n in range({len(targets)})]
 for link, target in zip(links, {targets!r} * 2):
     os.symlink(target, link)
@@ -261,6 +267,7 @@ print('planted')
 def test_proc_and_sys_show_no_host_mounts_and_take_no_writes():
     program = """
 import os
+import re
 print([line.split()[4] for line in open('/proc/self/mountinfo')])
 for path in ('/proc/sys/kernel/core_pattern', '/proc/sys/kernel/hostname', '/proc/sys/vm/drop_caches',
              '/proc/sysrq-trigger', '/sys/kernel/uevent_helper', '/sys/fs/cgroup/cgroup.procs'):
@@ -329,6 +336,7 @@ def test_only_the_size_limited_folders_take_data():
     limits = Limits(cpu_seconds=2, wall_seconds=6, memory_mb=256, tmpfs_mb=4)
     program = """
 import os
+import re
 for folder in ('/', '/dev', '/etc', '/proc', '/usr', '/dev/shm', '/sandbox', '/tmp'):
     stored = 0
     try:
@@ -366,3 +374,68 @@ print('tried')
     result = run_program(program, limits=QUICK)
     assert result.ok and "tried" in result.stdout, result.stderr
     assert "unshared" not in result.stdout and "mounted" not in result.stdout
+
+
+# ------------------------------------------------------------ the sandbox itself failing
+@pytest.fixture
+def fake_bin(monkeypatch):
+    """A folder first on PATH that the sandbox's unprivileged uid can read and write (pytest's are root's)."""
+    folder = Path(tempfile.mkdtemp(prefix="mintflow-fake-bin-"))
+    folder.chmod(0o777)
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    yield folder
+    shutil.rmtree(folder)
+
+
+def _fake_bwrap(folder: Path, script: str) -> None:
+    """A ``bwrap`` running ``script`` in ``folder`` (the sandbox's command finds it on PATH)."""
+    fake = folder / "bwrap"
+    fake.write_text("#!/bin/sh\n" + script)
+    fake.chmod(0o755)
+
+
+def _solved_problem() -> tuple[dict, str]:
+    problem = datasets.eval_set("python_functions", 1)[0]
+    return problem, f"```python\n{problem['answer']}\n```"
+
+
+@pytest.mark.parametrize("failure, script, message", [
+    ("cannot start", 'echo "bwrap: Creating new namespace failed: Operation not permitted" >&2; exit 1',
+     "did not start (exit 1): bwrap: Creating new namespace failed"),
+    ("killed mid-run",  # it reports the program started, as bubblewrap does, then dies (an OOM kill)
+     'for arg in "$@"; do [ "$previous" = --json-status-fd ] && fd=$arg; previous=$arg; done\n'
+     '/usr/bin/python3 -c "import os, sys; os.write(int(sys.argv[1]), b\'{\\"child-pid\\": 7}\')" $fd\nkill -9 $$',
+     "died (exit -9) before its program ended"),
+])
+def test_a_sandbox_that_fails_is_an_error_not_a_reward_of_zero(failure, script, message, fake_bin):
+    _fake_bwrap(fake_bin, script)
+    problem, completion = _solved_problem()
+    with pytest.raises(SandboxUnavailable, match=re.escape(message)):
+        code_reward(completion, problem)
+
+
+def test_a_program_cannot_pass_itself_off_as_a_sandbox_failure():
+    result = run_program('import sys; print("bwrap: Creating new namespace failed", file=sys.stderr); sys.exit(1)')
+    assert result.returncode == 1 and "bwrap:" in result.stderr  # an ordinary failed program: reward 0, no retry
+
+
+def test_scoring_retries_a_sandbox_that_failed_then_reports_one_that_keeps_failing(harness, fake_bin, tmp_path,
+                                                                                   monkeypatch):
+    from tasks.common import write_json
+    from tasks.rollouts import RewardError, score
+
+    problem, completion = _solved_problem()
+    rollouts = write_json("rollouts", f"sandbox-retry-{tmp_path.name}", {"groups": [
+        {"problem": problem, "prompt_tokens": [1], "samples": [{"text": completion}, {"text": "no code"}]}]})
+    monkeypatch.setattr("tasks.rollouts.score.retry_delay_seconds", [0, 0, 0])
+    attempts = fake_bin / "attempts"  # written by each run's own uid
+    attempts.touch(0o666)
+    attempts.chmod(0o666)
+    _fake_bwrap(fake_bin, f'echo x >> {attempts}\n[ "$(wc -l < {attempts})" -ge 2 ] && exec /usr/bin/bwrap "$@"\n'
+                          'echo "bwrap: out of memory" >&2; exit 1')
+    assert score(rollouts, reward="code", reward_options={}) == [[1.0, 0.0]]  # the first attempt failed
+    assert attempts.read_text().count("x") >= 2
+
+    _fake_bwrap(fake_bin, 'echo "bwrap: out of memory" >&2; exit 1')
+    with pytest.raises(RewardError, match=r"reward 'code' failed on group 0 sample 0 .*did not start"):
+        score(rollouts, reward="code", reward_options={"all_or_nothing": True})
