@@ -50,6 +50,13 @@ def disk_use(home: Path) -> dict[str, int]:
     return {"checkpoints": checkpoints, "mlflow": mlflow, "other": folder_bytes(home) - checkpoints - mlflow}
 
 
+def other_breakdown(home: Path) -> dict[str, int]:
+    """The "other" bytes by top-level entry of the home (rollouts, datums, prefect, locks, ...)."""
+    skip = {"checkpoints", "mlartifacts", "mlflow.db"}
+    return {entry.name: folder_bytes(entry) if entry.is_dir() else entry.stat().st_size
+            for entry in sorted(home.iterdir()) if entry.name not in skip}
+
+
 def soak(iterations: int, eval_every: int, keep: int) -> dict:
     home = Path(tempfile.mkdtemp(prefix="mintflow-soak-"))
     settings = [f"iterations={iterations}", "groups_per_batch=2", "group_size=4", "max_tokens=8", "eval_size=8",
@@ -79,6 +86,10 @@ def soak(iterations: int, eval_every: int, keep: int) -> dict:
             raise SystemExit(f"the soak run failed:\n{out.stderr[-4000:]}")
         summary = json.loads(out.stdout[out.stdout.index("{"):])
         final_disk = disk_use(home)
+        breakdown = other_breakdown(home)
+        prefect = home / "prefect"
+        if prefect.is_dir():
+            breakdown.update({f"prefect/{k}": v for k, v in other_breakdown(prefect).items()})
         checkpoint_folders = [p for p in (home / "checkpoints").iterdir() if not p.name.startswith(".")]
         leftovers = [p.name for p in (home / "checkpoints").iterdir() if p.name.startswith(".")]
         one_checkpoint = folder_bytes(checkpoint_folders[0]) if checkpoint_folders else 0
@@ -104,7 +115,7 @@ def soak(iterations: int, eval_every: int, keep: int) -> dict:
         "peak_rss_mb_last": round(history["peak_rss_mb"][-1], 1),
         "open_files": _first_last_max(history["open_files"]),
         "child_processes": _first_last_max(history["child_processes"]),
-        "disk_bytes": {"final": final_disk, "one_policy_checkpoint": one_checkpoint,
+        "disk_bytes": {"final": final_disk, "other_by_folder": breakdown, "one_policy_checkpoint": one_checkpoint,
                        "policy_checkpoints_on_disk": len(checkpoint_folders), "half_deleted_leftovers": leftovers,
                        "checkpoints_max_while_running": max((s["checkpoints"] for s in samples), default=0),
                        "other_bytes_per_second_second_half": round(other_rate, 1) if other_rate is not None else None},

@@ -30,6 +30,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from mint.checkpoints import failpoint
+from tasks.common import exclusive
 
 REGISTERED_ALIAS = "champion"  # "latest" is reserved by MLflow
 
@@ -77,7 +78,10 @@ class Tracker:
         self._pending_uploads: dict[Callable, str] = {}  # kept log_artifacts calls -> the folder they upload
         self._down_since: float | None = None
         try:
-            self._open(data_dir, experiment, run_key, run_name, params, flow_run_id)
+            # A fresh SQLite store is created by the first process that opens it: two at once would both
+            # create its tables (alembic fails with "table ... already exists").
+            with exclusive("mlflow-store"):
+                self._open(data_dir, experiment, run_key, run_name, params, flow_run_id)
         except Exception as exc:
             if _unreachable(exc):
                 raise TrackingUnavailable(f"the MLflow tracking server {self.uri} does not answer ({exc}); start it, "
@@ -237,7 +241,8 @@ class SweepTracker:
     def __init__(self, data_dir: Path, experiment: str, name: str, sweep_key: str, spec: dict):
         self.uri = tracking_uri(data_dir)
         self.client = MlflowClient(self.uri)
-        self.experiment_id = _experiment_id(self.client, experiment, data_dir)
+        with exclusive("mlflow-store"):  # see Tracker
+            self.experiment_id = _experiment_id(self.client, experiment, data_dir)
         runs = self.client.search_runs([self.experiment_id], f"tags.`mintflow.sweep` = '{sweep_key}'", max_results=1)
         if runs:
             self.run_id = runs[0].info.run_id
