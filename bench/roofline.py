@@ -4,8 +4,10 @@
 2. The engine's two phases on the reference job (as in bench/engine.py), with their FLOPs
    counted from the model's shapes and the tokens actually processed:
    - train: forward + backward of 32 x 47 tokens. Linear layers cost 2*N*params forward and
-     2*N*params backward (input gradients only: the base is frozen; LoRA adds ~1%); the
-     unembedding costs 2*N*H*V forward plus 2*n*H*V backward on the n weighted positions.
+     2*N*params backward (input gradients only: the base is frozen; LoRA adds ~1%), N being
+     the positions the body really runs (each group's shared prompt once, padding included);
+     the unembedding costs 2*T*H*V forward on all T tokens plus 2*n*H*V backward on the n
+     weighted positions.
    - sample: one prefill of the 8 prompts, then one decode step per generated token, each
      2*params per row plus the unembedding of that row.
    Attention score FLOPs are left out (under 2% at these lengths).
@@ -49,6 +51,7 @@ def main() -> None:
 
     import mint
     from mint import types
+    from mint.prefix import layout, shared_prompt_lengths
 
     service = mint.ServiceClient(checkpoint_dir="/tmp/mint-roofline")
     tc = service.create_lora_training_client("HuggingFaceTB/SmolLM2-135M-Instruct", rank=16, seed=0,
@@ -65,7 +68,11 @@ def main() -> None:
         "target_tokens": s[1:], "weights": [0.0] * 31 + [1.0] * 16, "logprobs": [-2.0] * 47,
         "advantages": [0.0] * 31 + [0.5] * 16}) for s in seqs]
     n_tokens, n_weighted = 32 * 47, 32 * 16
-    train_flops = 4 * n_tokens * body_params + 2 * n_tokens * hidden * vocab + 2 * n_weighted * hidden * vocab
+    # The body runs each group's shared prompt once (mint.prefix): count the positions it really runs.
+    inputs = [d.model_input.to_ints() for d in datums]
+    shared = layout(inputs, shared_prompt_lengths(inputs, [d.loss_fn_inputs["weights"].to_torch() for d in datums]))
+    n_body = shared.padded_tokens
+    train_flops = 4 * n_body * body_params + 2 * n_tokens * hidden * vocab + 2 * n_weighted * hidden * vocab
     train_seconds = []
     for i in range(4):
         start = time.perf_counter()
@@ -97,7 +104,8 @@ def main() -> None:
         "threads": THREADS,
         "matmul_peak_gflops": peaks,
         "model": {"body_linear_params": body_params, "hidden": hidden, "vocab": vocab},
-        "train": phase(train_flops, statistics.median(train_seconds)),
+        "train": {**phase(train_flops, statistics.median(train_seconds)), "tokens": n_tokens,
+                  "body_positions_run": n_body},
         "sample": phase(statistics.median(sample_flops), statistics.median(sample_seconds)),
     }, indent=2))
 
