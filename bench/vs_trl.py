@@ -8,8 +8,9 @@ mean, importance-sampling loss, Adam lr 1e-4, grad clip 1.0, one optimizer step 
 no KL, greedy accuracy on a fixed held-out set of 50 problems every 10 steps, 2 torch threads.
 
 mintflow runs the real product path: the Prefect flow with caching, result persistence and
-MLflow tracking ON. Each (system, seed) runs in its own subprocess, in alternating order;
-s/step excludes the evaluations. Needs the bench extra: pip install -e '.[bench]'.
+MLflow tracking ON, and under the allocator the mintflow command uses (jemalloc where
+installed; MINTFLOW_ALLOCATOR=glibc for glibc's). Each (system, seed) runs in its own
+subprocess, in alternating order; s/step excludes the evaluations. Needs the bench extra: pip install -e '.[bench]'.
 
     python bench/vs_trl.py [--steps 40] [--seeds 0 1 2] [--systems mintflow trl plain]
 """
@@ -30,6 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from flows.allocator import jemalloc_env  # noqa: E402
+
 SYSTEMS = ("mintflow", "trl", "plain")
 EVAL_EVERY = 10
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -50,7 +53,8 @@ def run_mintflow(steps: int, seed: int) -> dict:
     seconds = [h["seconds"] - h["stage_seconds"].get("evaluate", 0.0) for h in history[1:]]
     curve = {h["iteration"]: h["eval_accuracy"] for h in history if h["eval_accuracy"] is not None}
     return {"seconds_per_step": seconds, "accuracy": curve, "peak_rss_mb": _peak_rss_mb(),
-            "peak_rss_mb_by_step": {h["iteration"]: h["peak_rss_mb"] for h in history[1:] if h["iteration"] % 5 == 0}}
+            "peak_rss_mb_by_step": {h["iteration"]: h["peak_rss_mb"] for h in history[1:] if h["iteration"] % 5 == 0},
+            "rss_mb_by_step": {h["iteration"]: h["rss_mb"] for h in history[1:] if h["iteration"] % 5 == 0}}
 
 
 def _hf_setup(seed: int):
@@ -200,6 +204,8 @@ def main() -> None:
                    "PREFECT_LOCAL_STORAGE_PATH": f"{home}/prefect/storage",
                    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db",
                    "OMP_NUM_THREADS": "2"}
+            if system == "mintflow":  # the allocator the mintflow command runs with (flows/allocator.py)
+                env.update(jemalloc_env())
             os.makedirs(f"{home}/prefect", exist_ok=True)
             out = subprocess.run([sys.executable, __file__, "--role", system, "--seed", str(seed), "--steps",
                                   str(args.steps)], cwd=ROOT, env=env, capture_output=True, text=True)
@@ -224,6 +230,7 @@ def main() -> None:
         }
         if "peak_rss_mb_by_step" in results[0]:
             summary[system]["peak_rss_mb_by_step"] = {r["seed"]: r["peak_rss_mb_by_step"] for r in results}
+            summary[system]["rss_mb_by_step"] = {r["seed"]: r["rss_mb_by_step"] for r in results}
     if "mintflow" in runs:
         summary["ratios_s_per_step_mintflow_over"] = {
             other: summary["mintflow"]["s_per_step"]["median"] / summary[other]["s_per_step"]["median"]

@@ -168,6 +168,10 @@ def cmd_judge_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the command line, not a call from Python: choose the allocator first
+        from flows.allocator import use_jemalloc
+
+        use_jemalloc("flows.cli")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the embedded default needs no hub; set 0 to download models
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

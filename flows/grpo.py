@@ -20,6 +20,7 @@ from prefect.runtime import flow_run
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from flows.allocator import allocator
 from flows.config import GRPOConfig
 from flows.tracking import Tracker
 from mint.checkpoints import failpoint
@@ -187,7 +188,7 @@ def _grpo(config: GRPOConfig, logger) -> dict:
         tracker.log_step(0, _numbers(first))
         history.append(first)
         retention.add(policy, first["eval_accuracy"])
-        logger.info("iteration 0: held-out accuracy %.2f", first["eval_accuracy"])
+        logger.info("iteration 0: held-out accuracy %.2f (memory allocator: %s)", first["eval_accuracy"], allocator())
 
         with _progress() as bar:
             job = bar.add_task("GRPO", total=config.iterations, reward="-", accuracy=f"{first['eval_accuracy']:.2f}")
@@ -236,6 +237,7 @@ def _grpo(config: GRPOConfig, logger) -> dict:
     rows = [{"iteration": h["iteration"], "mean_reward": round(h["reward_mean"], 3) if "reward_mean" in h else None,
              "eval_accuracy": round(h["eval_accuracy"], 3) if "eval_accuracy" in h else None,
              "seconds": round(h.get("iteration_seconds", 0.0), 3), "peak_rss_mb": round(h.get("peak_rss_mb", 0.0)),
+             "rss_mb": round(h.get("rss_mb", 0.0)),
              "stage_seconds": {k.removeprefix("stage_seconds_"): round(v, 3) for k, v in h.items()
                                if k.startswith("stage_seconds_")}} for h in history]
     create_table_artifact([{k: r[k] for k in ("iteration", "mean_reward", "eval_accuracy", "seconds")} for r in rows],

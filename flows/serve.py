@@ -56,7 +56,9 @@ def server_env(home: Path, prefect_url: str, mlflow_url: str) -> dict[str, str]:
 
 
 def _home_env(home: Path) -> dict[str, str]:
-    return {"MINTFLOW_HOME": str(home), "PREFECT_HOME": str(home / "prefect"),
+    from flows.allocator import jemalloc_env
+
+    return {**jemalloc_env(), "MINTFLOW_HOME": str(home), "PREFECT_HOME": str(home / "prefect"),
             "PREFECT_LOCAL_STORAGE_PATH": str(home / "prefect" / "storage"),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
             "TOKENIZERS_PARALLELISM": "false"}

@@ -240,7 +240,19 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def reference(tmp_path_factory):
     """The tiny CLI run, uninterrupted."""
     home = tmp_path_factory.mktemp("reference")
-    return _summary(_cli(home), home)
+    return {**_summary(_cli(home), home), "log": (home / "stderr.log").read_text()}
+
+
+def test_the_command_runs_under_jemalloc_where_it_is_installed(reference, monkeypatch):
+    import ctypes.util
+
+    from flows.allocator import jemalloc_env
+
+    if not ctypes.util.find_library("jemalloc"):
+        pytest.skip("libjemalloc2 is not installed here (make setup installs it): the command keeps glibc's malloc")
+    assert "memory allocator: jemalloc" in reference["log"]
+    monkeypatch.setenv("MINTFLOW_ALLOCATOR", "glibc")
+    assert jemalloc_env() == {}
 
 
 def _assert_same_result_and_clean_history(resumed: dict, reference: dict, home: Path) -> None:
