@@ -195,7 +195,7 @@ def _grpo(config: GRPOConfig, logger) -> dict:
             for iteration in range(1, config.iterations + 1):
                 started = time.perf_counter()
                 run.seconds.clear()
-                rollouts, rewards, sample_metrics = sample_and_score(run, config, policy, iteration)
+                rollouts, rewards, sample_metrics, sampled = sample_and_score(run, config, policy, iteration)
                 batch, batch_metrics = run(compute_advantages, rollouts, rewards, base_model=config.base_model,
                                            kl_penalty_coef=config.kl_penalty_coef,
                                            remove_constant_reward_groups=config.remove_constant_reward_groups,
@@ -223,7 +223,8 @@ def _grpo(config: GRPOConfig, logger) -> dict:
                     else:  # a replay into a new MLflow run does not remake what retention deleted
                         logger.warning("iteration %d: checkpoint %s was deleted (keep_checkpoints=%d); "
                                        "not logged to MLflow", iteration, policy.path, config.keep_checkpoints)
-                retention.add(policy, record.get("eval_accuracy"), in_use=tracker.uploading())
+                retention.add(policy, record.get("eval_accuracy"), in_use=tracker.uploading(),
+                              made_from=[*sampled, rollouts, batch])
                 record["iteration_seconds"] = time.perf_counter() - started  # all of it: tasks, Prefect, MLflow
                 history.append(record)
                 accuracy = f"{record['eval_accuracy']:.2f}" if "eval_accuracy" in record else None
@@ -251,10 +252,10 @@ def _grpo(config: GRPOConfig, logger) -> dict:
             "history": rows, "tasks_ran": run.ran, "tasks_cached": run.cached, "artifacts_remade": run.remade}
 
 
-def sample_and_score(run: StageRunner, config: GRPOConfig, policy, iteration: int) -> tuple[Any, list, dict]:
+def sample_and_score(run: StageRunner, config: GRPOConfig, policy, iteration: int) -> tuple[Any, list, dict, list]:
     """Sample a batch of groups and score them. With dynamic sampling (DAPO), keep sampling new
     problems until ``groups_per_batch`` groups have mixed rewards or ``max_sampling_rounds`` ran,
-    and keep only those groups."""
+    and keep only those groups. Also returns every rollout file sampled."""
     rounds, round_rewards, metrics = [], [], {}
     for sampling_round in range(config.max_sampling_rounds if config.dynamic_sampling else 1):
         rollouts, round_metrics = run(sample, policy, dataset=config.dataset, groups_per_batch=config.groups_per_batch,
@@ -272,37 +273,42 @@ def sample_and_score(run: StageRunner, config: GRPOConfig, policy, iteration: in
             break
     metrics["sample_tokens_per_s"] = metrics["sampled_tokens"] / max(metrics["sample_seconds"], 1e-9)
     if not config.dynamic_sampling:
-        return rounds[0], round_rewards[0], metrics
+        return rounds[0], round_rewards[0], metrics, rounds
     rollouts, rewards, kept = run(keep_mixed_groups, rounds, round_rewards, groups_per_batch=config.groups_per_batch)
     # The reward curve stays the one of what was sampled, not of the groups kept.
     metrics["sampled_reward_metrics"] = reward_metrics([r for rs in round_rewards for r in rs])
-    return rollouts, rewards, {**metrics, **kept}
+    return rollouts, rewards, {**metrics, **kept}, rounds
 
 
 class Retention:
     """Keeps the last ``keep_last`` policy checkpoints and the best evaluated one, deleting the rest
-    (0 = keep all). A deleted one that a later stage needs is remade by ``StageRunner``."""
+    with the rollout and batch files that made them (0 = keep all). A deleted file that a later
+    stage needs is remade by ``StageRunner``."""
 
     def __init__(self, keep_last: int) -> None:
         self.keep_last = keep_last
-        self.policies: list[tuple[Artifact, float | None]] = []
+        self.policies: list[tuple[Artifact, float | None, list[Artifact]]] = []
         self.deleted: set[str] = set()
 
-    def add(self, policy: Artifact, eval_accuracy: float | None, in_use: set[str] = frozenset()) -> list[Artifact]:
-        """Record the newest policy; delete the checkpoints no longer kept (but not those ``in_use``),
-        and return them."""
-        self.policies.append((policy, eval_accuracy))
+    def add(self, policy: Artifact, eval_accuracy: float | None, in_use: set[str] = frozenset(),
+            made_from: list[Artifact] = ()) -> list[Artifact]:
+        """Record the newest policy and the files it was trained from; delete the checkpoints no
+        longer kept (but not those ``in_use``) and their files, and return those checkpoints."""
+        self.policies.append((policy, eval_accuracy, list(made_from)))
         if not self.keep_last:
             return []
-        keep = {p.path for p, _ in self.policies[-self.keep_last:]}
-        evaluated = [(accuracy, i) for i, (_, accuracy) in enumerate(self.policies) if accuracy is not None]
+        keep = {p.path for p, _, _ in self.policies[-self.keep_last:]}
+        evaluated = [(accuracy, i) for i, (_, accuracy, _) in enumerate(self.policies) if accuracy is not None]
         if evaluated:
             keep.add(self.policies[max(evaluated)[1]][0].path)  # the best; the latest of equals
-        old = [p for p, _ in self.policies if p.path not in keep | in_use and p.path not in self.deleted]
-        for artifact in old:
+        old = [(p, files) for p, _, files in self.policies
+               if p.path not in keep | in_use and p.path not in self.deleted]
+        for artifact, files in old:
             remove_checkpoint(artifact)
+            for file in files:
+                Path(file.path).unlink(missing_ok=True)
             self.deleted.add(artifact.path)
-        return old
+        return [artifact for artifact, _ in old]
 
 
 def _sampler_args(config: GRPOConfig) -> dict:

@@ -167,6 +167,8 @@ def test_retention_keeps_the_last_checkpoints_and_the_best_and_a_rerun_never_nee
     for path in kept:
         read_manifest(path)
     assert not [p for p in (home / "checkpoints").iterdir() if p.name.startswith(".")]  # nothing half deleted
+    for kind in ("rollouts", "datums"):  # the files of deleted policies went with them: 3 made, 1 or 2 kept
+        assert len(list((home / kind).glob("*.json"))) <= len(kept) < 3
 
     again = grpo(tiny("seed=15", "iterations=3", "eval_every=1", "keep_checkpoints=1"))
     assert again["tasks_ran"] == 0 and again["artifacts_remade"] == 0
