@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	command -v chromium >/dev/null || $(MAKE) --no-print-directory chromium || echo "no chromium: browser tests will skip"
 	# bubblewrap runs untrusted code (the code reward) in a sandbox.
 	command -v bwrap >/dev/null || $(MAKE) --no-print-directory APT_PACKAGE=bubblewrap apt || echo "no bubblewrap: sandbox tests will skip"
-	# jemalloc: the training process's memory stays ~0.9 GB lower and flat (flows/allocator.py).
+	# jemalloc: the training process holds ~0.9 GB less memory, levelling off sooner (flows/allocator.py).
 	ldconfig -p | grep -q libjemalloc.so.2 || $(MAKE) --no-print-directory APT_PACKAGE=libjemalloc2 apt || echo "no jemalloc: glibc malloc is used"
 	touch $@
 
