@@ -50,6 +50,14 @@ def _experiment_id(client: MlflowClient, name: str, data_dir: Path) -> str:
     return client.create_experiment(name, artifact_location=artifacts)
 
 
+def _open_client(uri: str) -> MlflowClient:
+    """An MLflow client. A fresh SQLite store is created (its tables migrated) by the first client
+    that opens it, in its constructor: two processes at once would both migrate it and one fails
+    ("table ... already exists"), so opening is one process at a time."""
+    with exclusive("mlflow-store"):
+        return MlflowClient(uri)
+
+
 class TrackingUnavailable(RuntimeError):
     """The MLflow tracking server does not answer."""
 
@@ -71,16 +79,14 @@ class Tracker:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
         self.uri = tracking_uri(data_dir)
-        self.client = MlflowClient(self.uri)
+        self.client = _open_client(self.uri)
         self.logger = logger or logging.getLogger(__name__)
         self.wait_s = float(os.environ.get("MINTFLOW_MLFLOW_WAIT_S", "600"))
         self._pending: list[Callable[[], object]] = []
         self._pending_uploads: dict[Callable, str] = {}  # kept log_artifacts calls -> the folder they upload
         self._down_since: float | None = None
         try:
-            # A fresh SQLite store is created by the first process that opens it: two at once would both
-            # create its tables (alembic fails with "table ... already exists").
-            with exclusive("mlflow-store"):
+            with exclusive("mlflow-store"):  # see _open_client: the experiment is created once too
                 self._open(data_dir, experiment, run_key, run_name, params, flow_run_id)
         except Exception as exc:
             if _unreachable(exc):
@@ -240,8 +246,8 @@ class SweepTracker:
 
     def __init__(self, data_dir: Path, experiment: str, name: str, sweep_key: str, spec: dict):
         self.uri = tracking_uri(data_dir)
-        self.client = MlflowClient(self.uri)
-        with exclusive("mlflow-store"):  # see Tracker
+        self.client = _open_client(self.uri)
+        with exclusive("mlflow-store"):  # see _open_client: the experiment is created once too
             self.experiment_id = _experiment_id(self.client, experiment, data_dir)
         runs = self.client.search_runs([self.experiment_id], f"tags.`mintflow.sweep` = '{sweep_key}'", max_results=1)
         if runs:
