@@ -61,7 +61,19 @@ def add_adapter(base: BaseModel, config: LoraConfig, prefix: str, seed: int | No
         else:
             base.peft_model.add_adapter(name, config)
         base.active_adapter = None
+        while base.retired_adapters:  # after the add: peft cannot delete a model's last adapter
+            delete_adapter(base, base.retired_adapters.pop())
     return name
+
+
+def retire_adapter(base: BaseModel, name: str) -> None:
+    """Mark a released client's adapter for deletion at the next ``add_adapter``.
+
+    Called from a garbage-collection finalizer, which can run in the middle of any code of this
+    thread, peft's included, while it holds ``base.lock`` (an RLock, so it would not wait):
+    deleting there changed the adapters under a running state-dict walk. Appending is safe.
+    """
+    base.retired_adapters.append(name)
 
 
 def delete_adapter(base: BaseModel, name: str) -> None:

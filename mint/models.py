@@ -185,6 +185,7 @@ class BaseModel:
     active_adapter: str | None = None
     sampling_model: torch.nn.Module | None = None  # see mint.lora.merged
     merged_adapter: object | None = None
+    retired_adapters: list = field(default_factory=list)  # released by clients, deleted at the next add (mint.lora)
 
     @property
     def vocab_size(self) -> int:

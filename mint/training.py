@@ -452,4 +452,4 @@ class TrainingClient:
 
 def _release(executor: concurrent.futures.ThreadPoolExecutor, base: BaseModel, adapter: str) -> None:
     executor.shutdown(wait=False)
-    lora.delete_adapter(base, adapter)
+    lora.retire_adapter(base, adapter)

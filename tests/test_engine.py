@@ -1,6 +1,7 @@
 """The mint engine on the embedded SmolLM2-135M-Instruct: training, checkpoints, sampling."""
 
 import asyncio
+import gc
 import json
 import subprocess
 import sys
@@ -270,3 +271,16 @@ def test_info_and_tokenizer(service):
     assert info.lora_rank == 4 and info.model_data["arch"] == "llama"
     assert "lm_head" not in info.model_data["target_modules"] and "q_proj" in info.model_data["target_modules"]
     assert tc.get_tokenizer().eos_token == "<|im_end|>"
+
+
+def test_a_released_clients_adapter_is_deleted_at_the_next_new_client_not_inside_garbage_collection(service):
+    # A finalizer can run in the middle of peft code holding the model's lock (an RLock): deleting an
+    # adapter there changed the adapters under a running state-dict walk ("peft state keys changed layout").
+    client = service.create_lora_training_client(EMBEDDED, rank=2, seed=1)
+    base, name = client.base, client.adapter
+    del client
+    gc.collect()
+    assert name in base.peft_model.peft_config and name in base.retired_adapters
+    other = service.create_lora_training_client(EMBEDDED, rank=2, seed=2)
+    assert name not in base.peft_model.peft_config and not base.retired_adapters
+    assert other.adapter in base.peft_model.peft_config
