@@ -61,7 +61,8 @@ def disk_full_error(what: str, folder: Path) -> DiskFullError:
                                        "space and run again")
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: str | Path) -> str:
+    """The sha256 of a file's content, read in blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 22):
@@ -80,9 +81,10 @@ def _fsync_dir(path: Path) -> None:
 def failpoint(name: str) -> None:
     """Die here, as a crash would (SIGKILL), when ``$MINTFLOW_FAULT`` names this point.
 
-    The fault-injection tests set it; nothing else does. Points: ``checkpoint:before_rename``
-    here, ``stage:<task>`` before each flow stage, ``train:checkpoint_written``,
-    ``flow:iteration_logged``.
+    The fault-injection tests set it; nothing else does. Points are named where they are placed:
+    ``stage:<task>`` before each flow stage, ``<task>:<moment>`` inside the tasks,
+    ``checkpoint:before_rename`` here, ``flow:iteration_logged`` and ``tracking:checkpoint_uploaded``
+    (the list in order is ``CRASHES`` in tests/test_flow.py).
     """
     if os.environ.get("MINTFLOW_FAULT") == name:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -104,7 +106,7 @@ def write_checkpoint(path: str | Path, write_files: Callable[[Path], None], meta
         for file in sorted(tmp.iterdir()):
             with open(file, "rb+") as f:
                 os.fsync(f.fileno())
-            files[file.name] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+            files[file.name] = {"bytes": file.stat().st_size, "sha256": sha256_file(file)}
         manifest = {"format": FORMAT, **meta, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
         with open(tmp / MANIFEST, "rb+") as f:
@@ -156,7 +158,7 @@ def read_manifest(path: str | Path, verify: bool = True) -> dict[str, Any]:
                 raise CheckpointError(
                     f"checkpoint {str(path)!r}: file {name} is truncated or changed "
                     f"({size} bytes, manifest says {expected['bytes']})")
-            if _sha256(file) != expected["sha256"]:
+            if sha256_file(file) != expected["sha256"]:
                 raise CheckpointError(f"checkpoint {str(path)!r}: file {name} does not match its sha256")
     return manifest
 

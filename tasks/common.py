@@ -29,6 +29,7 @@ from mint.checkpoints import (
     disk_full,
     disk_full_error,
     read_manifest,
+    sha256_file,
 )
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -73,14 +74,6 @@ def derived_seed(base_seed: int, *parts: Any) -> int:
     """A seed for one stage of one iteration, so reruns reproduce and stages do not share randomness."""
     digest = hashlib.sha256(json.dumps([base_seed, *parts]).encode()).digest()
     return int.from_bytes(digest[:4], "little")
-
-
-def sha256_file(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_json(kind: str, key: str, obj: Any) -> Artifact:
