@@ -83,7 +83,6 @@ class Tracker:
         self.logger = logger or logging.getLogger(__name__)
         self.wait_s = float(os.environ.get("MINTFLOW_MLFLOW_WAIT_S", "600"))
         self._pending: list[Callable[[], object]] = []
-        self._pending_uploads: dict[Callable, str] = {}  # kept log_artifacts calls -> the folder they upload
         self._down_since: float | None = None
         try:
             with exclusive("mlflow-store"):  # see _open_client: the experiment is created once too
@@ -142,7 +141,7 @@ class Tracker:
                 time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
                 delay = min(2 * delay, 30.0)
                 continue
-            self._pending_uploads.pop(self._pending.pop(0), None)
+            self._pending.pop(0)
         if self._down_since is not None:
             self.logger.warning("MLflow server %s is back after %.0f s; the kept calls are delivered", self.uri,
                                 time.monotonic() - self._down_since)
@@ -150,7 +149,8 @@ class Tracker:
 
     def uploading(self) -> set[str]:
         """Folders whose upload waits for the server: they must stay on disk until it is back."""
-        return set(self._pending_uploads.values())
+        return {call.args[1] for call in self._pending
+                if isinstance(call, partial) and call.func == self._upload_checkpoint}
 
     def _until_delivered(self, call: Callable[[], object]):
         """Deliver everything kept, then make this call, waiting for the server if it is down."""
@@ -174,9 +174,7 @@ class Tracker:
 
     def log_checkpoint(self, step: int, path: str) -> None:
         if step not in self._checkpoints:
-            upload = partial(self._upload_checkpoint, step, path)
-            self._pending_uploads[upload] = path
-            self._deliver(upload)
+            self._deliver(partial(self._upload_checkpoint, step, path))
             self._checkpoints.add(step)
 
     def _upload_checkpoint(self, step: int, path: str) -> None:
