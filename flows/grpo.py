@@ -165,7 +165,7 @@ def grpo(config: GRPOConfig) -> dict:
 
 def _grpo(config: GRPOConfig, logger) -> dict:
     run = StageRunner()
-    process = psutil.Process()
+    gauge = ProcessGauge()
     with Tracker(data_dir(), f"mintflow-{config.recipe}", config.run_key(), f"{config.recipe}-{config.run_key()}",
                  _flat_params(config), flow_run.get_id(), logger) as tracker:
         lora = dict(base_model=config.base_model, rank=config.rank, train_unembed=config.train_unembed)
@@ -195,6 +195,7 @@ def _grpo(config: GRPOConfig, logger) -> dict:
             for iteration in range(1, config.iterations + 1):
                 started = time.perf_counter()
                 run.seconds.clear()
+                gauge.start_iteration()
                 rollouts, rewards, sample_metrics, sampled = sample_and_score(run, config, policy, iteration)
                 batch, batch_metrics = run(compute_advantages, rollouts, rewards, base_model=config.base_model,
                                            kl_penalty_coef=config.kl_penalty_coef,
@@ -210,10 +211,7 @@ def _grpo(config: GRPOConfig, logger) -> dict:
                 if _eval_due(config, iteration):
                     record.update(run(evaluate, policy, **evaluate_args))
                 record.update({f"stage_seconds_{name}": s for name, s in run.seconds.items()})
-                record["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # of this process
-                record["rss_mb"] = process.memory_info().rss / 2**20
-                record["open_files"] = process.num_fds()
-                record["child_processes"] = len(process.children(recursive=True))
+                record.update(gauge.read())
                 tracker.log_step(iteration, _numbers(record))
                 failpoint("flow:iteration_logged")
                 if _eval_due(config, iteration) and not tracker.checkpoint_logged(iteration):
@@ -238,7 +236,7 @@ def _grpo(config: GRPOConfig, logger) -> dict:
     rows = [{"iteration": h["iteration"], "mean_reward": round(h["reward_mean"], 3) if "reward_mean" in h else None,
              "eval_accuracy": round(h["eval_accuracy"], 3) if "eval_accuracy" in h else None,
              "seconds": round(h.get("iteration_seconds", 0.0), 3), "peak_rss_mb": round(h.get("peak_rss_mb", 0.0)),
-             "rss_mb": round(h.get("rss_mb", 0.0)),
+             "iteration_peak_rss_mb": round(h.get("iteration_peak_rss_mb", 0.0)), "rss_mb": round(h.get("rss_mb", 0.0)),
              "stage_seconds": {k.removeprefix("stage_seconds_"): round(v, 3) for k, v in h.items()
                                if k.startswith("stage_seconds_")}} for h in history]
     create_table_artifact([{k: r[k] for k in ("iteration", "mean_reward", "eval_accuracy", "seconds")} for r in rows],
@@ -250,6 +248,45 @@ def _grpo(config: GRPOConfig, logger) -> dict:
             "final_checkpoint": policy.path, "final_checkpoint_digest": policy.digest,
             "final_eval": {k: v for k, v in final_eval.items() if k.startswith("eval_")},
             "history": rows, "tasks_ran": run.ran, "tasks_cached": run.cached, "artifacts_remade": run.remade}
+
+
+class ProcessGauge:
+    """What this process holds, per iteration: resident memory now, its peak within the
+    iteration, its peak over the whole run, open file descriptors and child processes.
+
+    The kernel's high-water mark is reset at the start of every iteration (``clear_refs``), so
+    a peak that creeps up shows as a trend in ``iteration_peak_rss_mb`` rather than hiding in a
+    running maximum; ``peak_rss_mb`` keeps the maximum of the run (from process start).
+    """
+
+    def __init__(self) -> None:
+        self.process = psutil.Process()
+        self.run_peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        self.resets = True
+
+    def start_iteration(self) -> None:
+        self.run_peak_mb = max(self.run_peak_mb, self._high_water_mb())
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak resident set size
+        except OSError:  # not Linux, or not allowed: the peak is then the run's only
+            self.resets = False
+
+    def read(self) -> dict[str, float]:
+        peak = self._high_water_mb()
+        self.run_peak_mb = max(self.run_peak_mb, peak)
+        numbers = {"rss_mb": self.process.memory_info().rss / 2**20, "peak_rss_mb": self.run_peak_mb,
+                   "open_files": self.process.num_fds(), "child_processes": len(self.process.children(recursive=True))}
+        if self.resets:
+            numbers["iteration_peak_rss_mb"] = peak
+        return numbers
+
+    @staticmethod
+    def _high_water_mb() -> float:
+        try:
+            status = Path("/proc/self/status").read_text()
+        except OSError:
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.M).group(1)) / 1024
 
 
 def sample_and_score(run: StageRunner, config: GRPOConfig, policy, iteration: int) -> tuple[Any, list, dict, list]:
