@@ -6,6 +6,7 @@ written against the MinT API, as in examples/sft_then_rl.py. Prints JSON: per va
 median seconds per step (after 3 warm-up steps) and the current and peak RSS after each step.
 
     python bench/engine_memory.py --steps 20 --variants "" "ONEDNN_PRIMITIVE_CACHE_CAPACITY=8"
+    python bench/engine_memory.py --steps 20 --reps 3 --variants "" "ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024"
 """
 
 from __future__ import annotations
@@ -69,19 +70,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--variants", nargs="+", default=["", "ONEDNN_PRIMITIVE_CACHE_CAPACITY=8"],
                         help="space-separated VAR=VALUE settings per variant ('' = unchanged)")
+    parser.add_argument("--reps", type=int, default=1, help="runs per variant, alternating between variants")
     parser.add_argument("--role", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role:
         print(json.dumps(run(args.steps)))
         return
-    results = {}
-    for variant in args.variants:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2",
-               **dict(item.split("=", 1) for item in variant.split())}
-        out = subprocess.run([sys.executable, __file__, "--role", "--steps", str(args.steps)], cwd=ROOT, env=env,
-                             capture_output=True, text=True, check=True)
-        results[variant or "unchanged"] = json.loads(out.stdout.strip().splitlines()[-1])
-    print(json.dumps({"steps": args.steps, "variants": results}, indent=2))
+    runs: dict[str, list[dict]] = {variant or "unchanged": [] for variant in args.variants}
+    for _ in range(args.reps):
+        for variant in args.variants:
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2",
+                   **dict(item.split("=", 1) for item in variant.split())}
+            out = subprocess.run([sys.executable, __file__, "--role", "--steps", str(args.steps)], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, check=True)
+            runs[variant or "unchanged"].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    results = {variant: reps[0] if len(reps) == 1 else
+               {"median_s_per_step": statistics.median(r["median_s_per_step"] for r in reps), "runs": reps}
+               for variant, reps in runs.items()}
+    print(json.dumps({"steps": args.steps, "reps": args.reps, "variants": results}, indent=2))
 
 
 if __name__ == "__main__":

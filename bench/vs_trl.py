@@ -184,12 +184,22 @@ def run_plain(steps: int, seed: int) -> dict:
     return {"seconds_per_step": timings, "accuracy": curve, "peak_rss_mb": _peak_rss_mb()}
 
 
-def _trends(result: dict) -> dict[str, float]:
-    """Least-squares slope (MiB per step) of resident memory and of each step's peak, from step WARM_UP on."""
+def _trends(result: dict) -> dict[str, dict[str, float]]:
+    """Least-squares slope (MiB per step) and its standard error, of resident memory and of each
+    step's own peak, from step WARM_UP on: a slope within about two standard errors of zero is no
+    trend this run can tell from the step-to-step spread (batch lengths move a step's peak by ~100 MiB)."""
     peaks = result["iteration_peak_rss_mb"][WARM_UP - 1:]
     rss = {int(step): mib for step, mib in result["rss_mb_by_step"].items() if int(step) >= WARM_UP}
-    return {"iteration_peak": round(statistics.linear_regression(range(len(peaks)), peaks).slope, 2),
-            "rss": round(statistics.linear_regression(list(rss), list(rss.values())).slope, 2)}
+    return {"iteration_peak": _slope(list(range(WARM_UP, WARM_UP + len(peaks))), peaks),
+            "rss": _slope(list(rss), list(rss.values()))}
+
+
+def _slope(xs: list[float], ys: list[float]) -> dict[str, float]:
+    fit = statistics.linear_regression(xs, ys)
+    residuals = [y - (fit.slope * x + fit.intercept) for x, y in zip(xs, ys)]
+    spread = sum((x - statistics.mean(xs)) ** 2 for x in xs)
+    standard_error = (sum(r * r for r in residuals) / (len(xs) - 2) / spread) ** 0.5
+    return {"slope": round(fit.slope, 2), "standard_error": round(standard_error, 2)}
 
 
 def main() -> None:
