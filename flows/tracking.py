@@ -315,11 +315,16 @@ class SweepTracker:
         self.client.set_terminated(self.run_id, status="FINISHED" if exc_type is None else "FAILED")
 
 
-def download_registered_adapter(model_name: str, alias: str = REGISTERED_ALIAS, uri: str | None = None) -> str:
-    """A local folder with the registered adapter, ready for ``create_sampling_client(model_path=...)``."""
+def download_registered_adapter(model_name: str, alias: str = REGISTERED_ALIAS, uri: str | None = None,
+                                dst_path: str | Path | None = None) -> str:
+    """A local folder with the registered adapter, ready for ``create_sampling_client(model_path=...)``.
+
+    It is downloaded under ``dst_path``, or else under a new temporary folder that the caller removes.
+    """
     client = MlflowClient(uri)
     version = client.get_model_version_by_alias(model_name, alias)
-    target = tempfile.mkdtemp(prefix="mintflow-adapter-")
+    target = str(dst_path) if dst_path is not None else tempfile.mkdtemp(prefix="mintflow-adapter-")
+    Path(target).mkdir(parents=True, exist_ok=True)
     return mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=target, tracking_uri=uri)
 
 

@@ -76,7 +76,7 @@ def test_stages_run_in_order_then_a_rerun_is_fully_cached_and_tracked_once(harne
     import mint
     from mint import types
 
-    adapter = download_registered_adapter("mintflow-math", uri=first["mlflow_tracking_uri"])
+    adapter = download_registered_adapter("mintflow-math", uri=first["mlflow_tracking_uri"], dst_path=home / "adapter")
     sampler = mint.ServiceClient(checkpoint_dir=home / "x").create_sampling_client(model_path=adapter)
     out = sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)).result()
     assert len(out.sequences[0].tokens) <= 2
