@@ -228,7 +228,7 @@ def main() -> None:
                    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db",
                    "OMP_NUM_THREADS": "2"}
             if system == "mintflow":  # the allocator the mintflow command runs with (flows/allocator.py)
-                env.update(jemalloc_env())
+                env.update(jemalloc_env(), MINTFLOW_ITERATION_PEAKS="1")  # each iteration's own peak, recorded
             os.makedirs(f"{home}/prefect", exist_ok=True)
             out = subprocess.run([sys.executable, __file__, "--role", system, "--seed", str(seed), "--steps",
                                   str(args.steps)], cwd=ROOT, env=env, capture_output=True, text=True)

@@ -67,7 +67,7 @@ def test_stages_run_in_order_then_a_rerun_is_fully_cached_and_tracked_once(harne
     assert [m.step for m in client.get_metric_history(run.info.run_id, "reward_mean")] == [1, 2]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_accuracy")] == [0, 2]
     for key in ("frac_mixed", "frac_all_good", "frac_all_bad", "kl_sample_train", "entropy", "loss",
-                "train_tokens_per_s", "stage_seconds_sample", "reward_std", "rss_mb", "iteration_peak_rss_mb"):
+                "train_tokens_per_s", "stage_seconds_sample", "reward_std", "rss_mb", "peak_rss_mb"):
         assert len(client.get_metric_history(run.info.run_id, key)) == 2, key
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"reward_curve.png", "final_adapter", "checkpoints"} <= artifacts

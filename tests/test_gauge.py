@@ -20,7 +20,7 @@ def _hold_and_free(megabytes: int) -> None:
 
 
 def test_the_iteration_peak_restarts_every_iteration_and_the_run_peak_keeps_the_maximum():
-    gauge = ProcessGauge()
+    gauge = ProcessGauge(reset_peaks=True)
     gauge.start_iteration()
     _hold_and_free(300)
     big = gauge.read()
@@ -31,3 +31,15 @@ def test_the_iteration_peak_restarts_every_iteration_and_the_run_peak_keeps_the_
     assert small["iteration_peak_rss_mb"] <= big["iteration_peak_rss_mb"] - 250  # and not in the next one
     assert small["peak_rss_mb"] >= big["iteration_peak_rss_mb"]  # the run's maximum survives the reset
     assert small["open_files"] > 0 and small["child_processes"] >= 0
+
+
+def test_without_reset_the_kernels_peak_is_left_alone_for_outside_tools():
+    gauge = ProcessGauge()
+    gauge.start_iteration()
+    _hold_and_free(300)
+    before = gauge.read()
+    gauge.start_iteration()
+    after = gauge.read()
+    assert "iteration_peak_rss_mb" not in after
+    assert ProcessGauge._high_water_mb() >= before["rss_mb"] + 250  # the freed 300 MB still in the high-water mark
+    assert after["peak_rss_mb"] >= before["rss_mb"] + 250
