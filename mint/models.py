@@ -236,9 +236,8 @@ def bound_kernel_cache() -> None:
     step (response lengths vary), so the 1024-entry cache kept filling for 100 iterations and
     more: resident memory of the reference job climbed 1730 -> 1919 MiB from iteration 10 to 60,
     and 1754 -> 1781 MiB with 256, for 2-4% more time per step (bench/vs_trl.py,
-    bench/engine_memory.py). oneDNN reads the setting
-    once, at its first kernel, so this must run before the process's first matmul; a user's
-    ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` wins.
+    bench/engine_memory.py). oneDNN reads the setting once, at its first kernel, so this must run
+    before the process's first matmul; a user's ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` wins.
     """
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(KERNEL_CACHE_CAPACITY))
 
