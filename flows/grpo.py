@@ -239,6 +239,7 @@ def _grpo(config: GRPOConfig, logger) -> dict:
              "seconds": round(h.get("iteration_seconds", 0.0), 3), "peak_rss_mb": round(h.get("peak_rss_mb", 0.0)),
              "iteration_peak_rss_mb": round(h["iteration_peak_rss_mb"]) if "iteration_peak_rss_mb" in h else None,
              "rss_mb": round(h.get("rss_mb", 0.0)),
+             **{k: round(h[k], 3) for k in ("instructions_followed", "eval_instructions_followed") if k in h},
              "stage_seconds": {k.removeprefix("stage_seconds_"): round(v, 3) for k, v in h.items()
                                if k.startswith("stage_seconds_")}} for h in history]
     create_table_artifact([{k: r[k] for k in ("iteration", "mean_reward", "eval_accuracy", "seconds")} for r in rows],

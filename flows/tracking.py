@@ -193,7 +193,12 @@ class Tracker:
         ax.plot(steps, [h["reward_mean"] for h in history if "reward_mean" in h], label="mean sampled reward")
         evals = [h for h in history if "eval_accuracy" in h]
         ax.plot([h["iteration"] for h in evals], [h["eval_accuracy"] for h in evals], "o-",
-                label="held-out greedy accuracy")
+                label="held-out accuracy")
+        for key, style, label in (("instructions_followed", "-", "instructions followed (sampled)"),
+                                  ("eval_instructions_followed", "o--", "instructions followed (held out)")):
+            points = [h for h in history if key in h]  # a judge reward's checkable part, when prompts have one
+            if points:
+                ax.plot([h["iteration"] for h in points], [h[key] for h in points], style, label=label)
         ax.set_xlabel("iteration")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)

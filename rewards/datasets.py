@@ -183,8 +183,8 @@ def _mtbench() -> list[dict]:
 
 
 _CONSTRAINTS = [
-    ({"kind": "max_words", "value": 40}, "Answer in at most 40 words."),
-    ({"kind": "max_words", "value": 80}, "Answer in at most 80 words."),
+    ({"kind": "max_words", "value": 20}, "Answer in at most 20 words."),
+    ({"kind": "max_words", "value": 30}, "Answer in at most 30 words."),
     ({"kind": "include_word", "value": "because"}, "Use the word 'because' in your answer."),
     ({"kind": "no_commas"}, "Do not use any commas."),
     ({"kind": "lowercase"}, "Write your whole answer in lowercase letters."),

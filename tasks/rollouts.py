@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterable
 
 from prefect import task
 
 from mint import grpo, types
 from mint.checkpoints import failpoint
 from rewards import datasets, get_reward, is_group_reward, score_group
+from rewards.judge import check_constraints
 from tasks.common import (
     REWARD_RETRIES,
     TRANSIENT_RETRIES,
@@ -125,6 +127,9 @@ def compute_advantages(rollouts: Artifact, rewards: list[list[float]], base_mode
     key = content_key("compute_advantages", dict(locals()))  # = this call's arguments
     groups = read_json(rollouts)["groups"]
     metrics = reward_metrics(rewards) if rewards else {}
+    followed = instructions_followed((g["problem"], s["text"]) for g in groups for s in g["samples"])
+    if followed:
+        metrics["instructions_followed"] = statistics.fmean(followed)
     if overlong_cache:  # DAPO's soft overlong punishment, added to the task reward before the group baseline
         penalties = [[grpo.overlong_penalty(len(s["tokens"]), max_tokens, overlong_cache, overlong_penalty_factor)
                       for s in group["samples"]] for group in groups]
@@ -147,6 +152,13 @@ def compute_advantages(rollouts: Artifact, rewards: list[list[float]], base_mode
     metrics["num_datums"] = len(datums)
     failpoint("compute_advantages:computed")
     return write_json("datums", key, {"datums": [d.model_dump() for d in datums]}), metrics
+
+
+def instructions_followed(replies: Iterable[tuple[dict, str]]) -> list[float]:
+    """For each (problem, reply) whose problem carries IFEval-style ``constraints``, the share of
+    them the reply meets. Logged apart from the reward: mixed with a judge's verdict (a pairwise
+    win rate averages 0.5 in every group), the part that can be checked would be hard to read."""
+    return [check_constraints(text, problem["constraints"]) for problem, text in replies if problem.get("constraints")]
 
 
 def reward_metrics(rewards: list[list[float]]) -> dict:
@@ -183,9 +195,10 @@ def evaluate(policy: Artifact, dataset: str, eval_size: int, max_tokens: int, re
     reward_fn = get_reward(reward)
     shaping = set(getattr(reward_fn, "shaping_options", ())) & set(reward_options)
     unshaped = {k: v for k, v in reward_options.items() if k not in shaping}
-    scores, correct = [], []
+    scores, correct, followed = [], [], []
     for i, (p, future) in enumerate(zip(problems, futures)):
         texts = [tokenizer.decode(s.tokens, skip_special_tokens=True) for s in future.result().sequences]
+        followed += instructions_followed((p, t) for t in texts)
         # One reply at a time: a group reward (a judge) grades each reply on its own here.
         problem_scores = [_rewards(reward_fn, reward, [t], p, reward_options, f"eval problem {i}")[0] for t in texts]
         plain = problem_scores if not shaping else [
@@ -195,6 +208,8 @@ def evaluate(policy: Artifact, dataset: str, eval_size: int, max_tokens: int, re
         failpoint("evaluate:scoring")  # after the first problem is scored
     metrics = {"eval_accuracy": statistics.fmean(c for row in correct for c in row),
                "eval_reward_mean": statistics.fmean(scores), "eval_seconds": time.perf_counter() - start}
+    if followed:
+        metrics["eval_instructions_followed"] = statistics.fmean(followed)
     if samples > 1:
         metrics[f"eval_avg_at_{samples}"] = metrics["eval_accuracy"]
         metrics[f"eval_pass_at_{samples}"] = statistics.fmean(any(row) for row in correct)

@@ -39,6 +39,9 @@ def test_chat_recipe_is_graded_by_the_judge_with_constraints(harness, home):
     metrics = _metrics(summary)
     assert len(metrics["reward_mean"]) == 2 and all(0.0 <= r <= 1.0 for r in metrics["reward_mean"])
     assert 0.0 <= summary["final_eval"]["eval_reward_mean"] <= 1.0
+    # The checkable part of the reward is logged on its own, for training samples and held out.
+    assert len(metrics["instructions_followed"]) == 2 and all(0.0 <= f <= 1.0 for f in metrics["instructions_followed"])
+    assert 0.0 <= summary["final_eval"]["eval_instructions_followed"] <= 1.0
 
 
 def test_dapo_aime_smoke_runs_every_dapo_option(harness, home):

@@ -5,7 +5,7 @@ from conftest import chat_prompt
 
 from mint import types
 from tasks.common import Artifact, read_json, write_json
-from tasks.rollouts import compute_advantages
+from tasks.rollouts import compute_advantages, instructions_followed
 
 pytestmark = pytest.mark.model
 
@@ -61,3 +61,10 @@ def test_a_corrupted_artifact_is_refused(rollouts):
         read_json(rollouts)
     with pytest.raises(FileNotFoundError):
         read_json(Artifact(path=rollouts.path + ".missing", digest="x"))
+
+
+def test_instructions_followed_is_the_share_of_constraints_met_by_replies_that_have_them():
+    replies = [({"constraints": [{"kind": "no_commas"}]}, "red, green"),
+               ({"constraints": [{"kind": "no_commas"}, {"kind": "max_words", "value": 1}]}, "red green"),
+               ({"question": "no instruction"}, "anything")]
+    assert instructions_followed(replies) == [0.0, 0.5]
