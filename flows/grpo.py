@@ -30,6 +30,7 @@ from tasks.common import (
     Artifact,
     ArtifactError,
     artifacts_in,
+    check_prompts_fit,
     content_key,
     data_dir,
     exclusive,
@@ -167,6 +168,8 @@ def grpo(config: GRPOConfig) -> dict:
 def _grpo(config: GRPOConfig, logger) -> dict:
     run = StageRunner()
     gauge = ProcessGauge(reset_peaks=os.environ.get("MINTFLOW_ITERATION_PEAKS") == "1")
+    check_prompts_fit(config.base_model, config.dataset, config.eval_dataset, config.eval_size, config.prompt_template,
+                      config.max_tokens)
     with Tracker(data_dir(), f"mintflow-{config.recipe}", config.run_key(), f"{config.recipe}-{config.run_key()}",
                  _flat_params(config), flow_run.get_id(), logger) as tracker:
         lora = dict(base_model=config.base_model, rank=config.rank, train_unembed=config.train_unembed)

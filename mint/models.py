@@ -193,7 +193,7 @@ class BaseModel:
 
     @property
     def max_length(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+        return context_length(self.model.config)
 
     def stop_token_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id
@@ -201,6 +201,11 @@ class BaseModel:
         if self.tokenizer.eos_token_id is not None:
             ids.append(self.tokenizer.eos_token_id)
         return sorted(set(ids))
+
+
+def context_length(model_config) -> int:
+    """Tokens the model's positions cover (prompt and reply together), from its transformers config."""
+    return int(getattr(model_config, "max_position_embeddings", 2048))
 
 
 _LOADED: dict[tuple[str, str, str], BaseModel] = {}

@@ -69,7 +69,8 @@ def _jsonl(path: Path) -> list[dict]:
     are not UTF-8, a line that is not a JSON object, a missing, non-string or blank question, a
     missing, null, array or object answer) raises ValueError naming the file and line; the whole
     file is checked when it is loaded, before any problem is used. Prompts are never truncated:
-    a question too long for the model's context is refused by the engine (mint) when it is used.
+    a question too long for the model's context is refused before the run starts
+    (``tasks.common.check_prompts_fit``).
     """
     problems = []
     with open(path, "rb") as f:  # split on b"\n" only: a raw \r or \x85 inside a string stays in it
@@ -255,11 +256,16 @@ def _split(pool: list[dict]) -> tuple[list[dict], list[dict]]:
     return pool[:-held_out], pool[-held_out:]
 
 
-def train_batch(dataset: str, n: int, seed: int) -> list[dict]:
+def train_set(dataset: str) -> list[dict]:
+    """Every problem training may draw from ``dataset`` (never one of its held-out problems)."""
     if dataset in EVAL_ONLY:
         raise ValueError(f"dataset: {dataset!r} is for evaluation only; train on another dataset and set "
                          f"eval_dataset={dataset}")
-    train = GENERATED[dataset]()[0] if dataset in GENERATED else _split(load_pool(dataset))[0]
+    return GENERATED[dataset]()[0] if dataset in GENERATED else _split(load_pool(dataset))[0]
+
+
+def train_batch(dataset: str, n: int, seed: int) -> list[dict]:
+    train = train_set(dataset)
     rng = random.Random(seed)
     return [train[rng.randrange(len(train))] for _ in range(n)]
 

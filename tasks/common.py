@@ -257,6 +257,36 @@ def render_prompt(tokenizer, question: str, template: str = "{question}") -> lis
                                          add_generation_prompt=True, return_dict=False)
 
 
+def check_prompts_fit(base_model: str, dataset: str, eval_dataset: str | None, eval_size: int, prompt_template: str,
+                      max_tokens: int) -> None:
+    """Refuse, before a run starts, training or held-out problems whose prompt leaves fewer than
+    ``max_tokens`` of the model's context. The engine refuses them too (nothing is truncated), but
+    only when one is drawn, which may be hours in, and a resumed run draws the same problem again.
+    Only the tokenizer and the model's config are loaded, not its weights.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    from mint.models import context_length, resolve_weights
+    from rewards import datasets
+
+    weights = resolve_weights(base_model)
+    tokenizer = AutoTokenizer.from_pretrained(weights)
+    context = context_length(AutoConfig.from_pretrained(weights))
+    for field, problems in (("dataset", datasets.train_set(dataset)),
+                            ("eval_dataset" if eval_dataset else "dataset", datasets.eval_set(eval_dataset or dataset,
+                                                                                                eval_size))):
+        lengths = {p["id"]: len(render_prompt(tokenizer, p["question"], prompt_template)) for p in problems}
+        too_long = {k: n for k, n in lengths.items() if n + max_tokens > context}
+        if too_long:
+            longest = max(too_long, key=too_long.get)
+            left = context - too_long[longest]
+            fix = f"lower max_tokens to at most {left} or remove" if left > 0 else "shorten or remove"
+            raise ValueError(f"{field}: {len(too_long)} of {len(lengths)} problems are too long for max_tokens="
+                             f"{max_tokens} in {base_model}'s context of {context} tokens (longest: problem "
+                             f"{longest!r}, {too_long[longest]} prompt tokens; first ones: {sorted(too_long)[:5]}); "
+                             f"{fix} those problems (nothing is truncated)")
+
+
 def is_transient(exc: BaseException) -> bool:
     """Errors worth a retry: memory pressure and I/O hiccups, never bad input."""
     if isinstance(exc, MemoryError):

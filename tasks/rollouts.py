@@ -63,8 +63,6 @@ def sample(policy: Artifact, dataset: str, groups_per_batch: int, group_size: in
                                                                "sample_tokens_per_s": tokens / max(seconds, 1e-9)}
 
 
-
-
 @task(name="score", cache_key_fn=task_cache_key, persist_result=True, **REWARD_RETRIES)
 def score(rollouts: Artifact, reward: str, reward_options: dict, shard: int = 0, shards: int = 1) -> list[list[float]]:
     """Rewards per sample of the groups ``shard, shard + shards, ...`` (all of them by default).

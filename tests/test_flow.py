@@ -118,6 +118,18 @@ def test_a_reward_that_keeps_failing_stops_the_run_naming_the_sample(harness, ho
     assert len(checkpoints) == 2 and all((c / "manifest.json").is_file() for c in checkpoints)  # init + sft kept
 
 
+def test_a_problem_too_long_for_the_context_stops_the_run_before_anything_is_written(harness, home, tmp_path):
+    from flows.grpo import grpo
+
+    problems = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(20)]
+    problems.insert(7, {"question": "word " * 9000, "answer": "1"})
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in problems))
+    with pytest.raises(ValueError, match=r"^dataset: 1 of 19 problems are too long .*problem 'long-8'"):
+        grpo(tiny(f"dataset={path}", "seed=14"))
+    assert not (home / "checkpoints").exists() and not (home / "mlflow.db").exists()
+
+
 def _policies(home: Path) -> list[Path]:
     return sorted(p for p in (home / "checkpoints").iterdir() if not p.name.startswith("."))
 

@@ -14,7 +14,7 @@ from conftest import EMBEDDED, lora_snapshot, sft_datum
 
 from mint import types
 from rewards import datasets
-from tasks.common import render_prompt
+from tasks.common import check_prompts_fit, render_prompt
 
 GOOD = [json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}).encode() for i in range(3)]
 
@@ -200,3 +200,22 @@ def test_a_question_too_long_for_the_context_loads_but_its_prompt_is_refused_wit
     sft = sft_datum(tokenizer, problem["question"], problem["answer"])  # what the SFT warm start would train on
     with pytest.raises(ValueError, match=rf"^data\[0\].model_input: {sft.model_input.length} tokens exceed"):
         trainer.forward_backward([sft], "cross_entropy")
+
+
+@pytest.mark.model
+def test_a_run_refuses_problems_too_long_for_the_context_before_it_starts(tmp_path, tokenizer):
+    """Drawn hours in, an over-long problem would stop the run, and a resumed run would draw it again."""
+    near_limit = json.dumps({"question": "word " * 8000, "answer": "1"}).encode()
+    path = write_jsonl(tmp_path, near_limit, *GOOD * 3)  # 13 problems: the long one trains, the last one is held out
+    length = len(render_prompt(tokenizer, "word " * 8000))
+    check_prompts_fit(EMBEDDED, path, None, 1, "{question}", max_tokens=8192 - length)  # fits exactly
+    message = (rf"^dataset: 1 of 12 problems are too long for max_tokens={8193 - length} in .*'s context of 8192 "
+               rf"tokens \(longest: problem 'problems-4', {length} prompt tokens; .*\); lower max_tokens to at most "
+               rf"{8192 - length} or remove")
+    with pytest.raises(ValueError, match=message):
+        check_prompts_fit(EMBEDDED, path, None, 1, "{question}", max_tokens=8193 - length)
+    train = write_jsonl(tmp_path, *GOOD * 3, name="train.jsonl")
+    beyond_context = json.dumps({"question": "word " * 9000, "answer": "1"}).encode()
+    held_out = write_jsonl(tmp_path, beyond_context, name="held.jsonl")
+    with pytest.raises(ValueError, match=r"^eval_dataset: 1 of 1 problems .*prompt tokens; .*\); shorten or remove "):
+        check_prompts_fit(EMBEDDED, train, held_out, 1, "{question}", max_tokens=16)
