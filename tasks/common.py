@@ -272,9 +272,8 @@ def check_prompts_fit(base_model: str, dataset: str, eval_dataset: str | None, e
     weights = resolve_weights(base_model)
     tokenizer = AutoTokenizer.from_pretrained(weights)
     context = context_length(AutoConfig.from_pretrained(weights))
-    for field, problems in (("dataset", datasets.train_set(dataset)),
-                            ("eval_dataset" if eval_dataset else "dataset", datasets.eval_set(eval_dataset or dataset,
-                                                                                                eval_size))):
+    held_out = ("eval_dataset" if eval_dataset else "dataset", datasets.eval_set(eval_dataset or dataset, eval_size))
+    for field, problems in (("dataset", datasets.train_set(dataset)), held_out):
         lengths = {p["id"]: len(render_prompt(tokenizer, p["question"], prompt_template)) for p in problems}
         too_long = {k: n for k, n in lengths.items() if n + max_tokens > context}
         if too_long:
