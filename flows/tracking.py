@@ -5,8 +5,9 @@ after a crash or not, continues that run, and a step already logged is never
 logged twice. Metrics use ``step=iteration``; checkpoints are logged as artifacts;
 the final adapter is registered as a model version with an alias.
 
-A tracking server that goes down mid-run does not stop training: what the run logs
-meanwhile is kept in order and delivered when the server answers again. At the end
+A tracking server that goes down mid-run does not stop training, nor slow it: what the run
+logs meanwhile is kept in order, the server is tried again at most every
+``RETRY_WHILE_DOWN_S``, and everything is delivered when it answers. At the end
 the run waits for it at most ``$MINTFLOW_MLFLOW_WAIT_S`` seconds (default 600), then
 fails naming the server; a rerun of the same config delivers the missing steps (its
 stages all come from the cache). A server that is down when the run starts fails it
@@ -71,6 +72,9 @@ def _unreachable(exc: BaseException) -> bool:
         "failed with exception" in text or "failed with error code 5" in text)
 
 
+RETRY_WHILE_DOWN_S = 30.0  # while the server is down, calls made during training try it at most this often
+
+
 class Tracker:
     def __init__(self, data_dir: Path, experiment: str, run_key: str, run_name: str, params: dict,
                  flow_run_id: str | None, logger: logging.Logger | None = None):
@@ -84,6 +88,7 @@ class Tracker:
         self.wait_s = float(os.environ.get("MINTFLOW_MLFLOW_WAIT_S", "600"))
         self._pending: list[Callable[[], object]] = []
         self._down_since: float | None = None
+        self._last_failure = 0.0
         try:
             with exclusive("mlflow-store"):  # see _open_client: the experiment is created once too
                 self._open(data_dir, experiment, run_key, run_name, params, flow_run_id)
@@ -114,6 +119,8 @@ class Tracker:
     def _deliver(self, call: Callable[[], object]) -> None:
         """Make an MLflow call now, or, while the server is down, keep it (in order) for later."""
         self._pending.append(call)
+        if self._down_since is not None and time.monotonic() - self._last_failure < RETRY_WHILE_DOWN_S:
+            return  # it failed moments ago, and each try costs seconds: train on, try again later
         self.flush(wait_s=0)
 
     def flush(self, wait_s: float) -> None:
@@ -126,8 +133,9 @@ class Tracker:
             except Exception as exc:
                 if not _unreachable(exc):
                     raise
+                self._last_failure = time.monotonic()
                 if self._down_since is None:
-                    self._down_since = time.monotonic()
+                    self._down_since = self._last_failure
                     self.logger.warning("MLflow server %s does not answer (%s); training goes on and what it logs "
                                         "is kept until the server is back", self.uri, str(exc)[:200])
                 if time.monotonic() >= deadline:

@@ -418,6 +418,34 @@ def test_an_mlflow_server_down_mid_run_does_not_stop_training_and_gets_everythin
     assert "is back after" in (home / "stderr.log").read_text()
 
 
+def test_while_the_mlflow_server_is_down_training_tries_it_at_most_every_so_often_and_keeps_the_order(
+        tmp_path, monkeypatch):
+    import flows.tracking
+    from flows.tracking import Tracker
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracker = Tracker(tmp_path, "mintflow-test", "key", "name", {}, None)
+    server_up, attempts, delivered = False, [], []
+
+    def call(name):
+        def make():
+            attempts.append(name)
+            if not server_up:
+                raise ConnectionError("connection refused")
+            delivered.append(name)
+        return make
+
+    tracker._deliver(call("step 1"))
+    tracker._deliver(call("step 2"))  # moments after a failure: kept, not tried (each try costs seconds)
+    assert attempts == ["step 1"] and len(tracker._pending) == 2
+    monkeypatch.setattr(flows.tracking, "RETRY_WHILE_DOWN_S", 0.0)  # as if the interval had passed
+    tracker._deliver(call("step 3"))
+    assert attempts == ["step 1", "step 1"] and len(tracker._pending) == 3  # the oldest call goes first
+    server_up = True
+    tracker._deliver(call("step 4"))
+    assert delivered == ["step 1", "step 2", "step 3", "step 4"] and not tracker._pending
+
+
 def test_an_mlflow_server_down_for_good_fails_the_run_in_bounded_time_and_a_rerun_delivers_the_rest(
         mlflow_server, tmp_path):
     home = tmp_path / "run"
