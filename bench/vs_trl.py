@@ -195,11 +195,10 @@ def _trends(result: dict) -> dict[str, dict[str, float]]:
 
 
 def _slope(xs: list[float], ys: list[float]) -> dict[str, float]:
-    fit = statistics.linear_regression(xs, ys)
-    residuals = [y - (fit.slope * x + fit.intercept) for x, y in zip(xs, ys)]
-    spread = sum((x - statistics.mean(xs)) ** 2 for x in xs)
-    standard_error = (sum(r * r for r in residuals) / (len(xs) - 2) / spread) ** 0.5
-    return {"slope": round(fit.slope, 2), "standard_error": round(standard_error, 2)}
+    from scipy.stats import linregress
+
+    fit = linregress(xs, ys)
+    return {"slope": round(fit.slope, 2), "standard_error": round(fit.stderr, 2)}
 
 
 def main() -> None:
